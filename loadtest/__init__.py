@@ -1,0 +1,1 @@
+"""Workloads, trace replay, the fleet simulator and benchmarks that prove kvroute's claims."""
