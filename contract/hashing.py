@@ -55,8 +55,14 @@ class HashSpec:
 
         Fields are length-prefixed so that ("ab", "c") and ("a", "bc") differ.
         """
-        parts = [HASH_VERSION, str(self.block_size), self.model, self.revision, self.lora,
-                 self.cache_salt]
+        parts = [
+            HASH_VERSION,
+            str(self.block_size),
+            self.model,
+            self.revision,
+            self.lora,
+            self.cache_salt,
+        ]
         buf = bytearray()
         for part in parts:
             raw = part.encode("utf-8")
@@ -65,8 +71,13 @@ class HashSpec:
 
     def describe(self) -> dict[str, str | int]:
         """The spec without the tenant salt, as workers advertise it in the registry."""
-        return {"version": HASH_VERSION, "block_size": self.block_size, "model": self.model,
-                "revision": self.revision, "lora": self.lora}
+        return {
+            "version": HASH_VERSION,
+            "block_size": self.block_size,
+            "model": self.model,
+            "revision": self.revision,
+            "lora": self.lora,
+        }
 
 
 def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:

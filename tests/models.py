@@ -28,8 +28,14 @@ def qwen3_tokenizer_dir() -> Path:
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "special_tokens_map.json", "vocab.json", "merges.txt"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "special_tokens_map.json",
+        "vocab.json",
+        "merges.txt",
+    ):
         if (src / name).exists():
             shutil.copy(src / name, dst / name)
 

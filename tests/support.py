@@ -60,8 +60,21 @@ class RedisProcess:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisProcess:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.dir), "--loglevel", "warning"]
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.dir),
+            "--loglevel",
+            "warning",
+        ]
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

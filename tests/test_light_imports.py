@@ -27,15 +27,21 @@ print(len(names))
 
 
 def test_gateway_and_contract_import_without_torch() -> None:
-    result = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert int(result.stdout.strip()) >= 2
 
 
 def test_cli_help_lists_subcommands() -> None:
-    result = subprocess.run([sys.executable, "-m", "kvroute_cli", "--help"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvroute_cli", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0
     for name in ("gateway", "worker", "up"):
         assert name in result.stdout

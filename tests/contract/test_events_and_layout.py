@@ -17,9 +17,16 @@ from contract.redis_layout import RedisLayout, WorkerRecord
 
 def test_event_batch_round_trip() -> None:
     batch = EventBatch(
-        worker_id="w1", epoch="e1", seq=42, timestamp=1.5,
-        events=(BlockStored((1, 2**64 - 1), parent_hash=7), BlockStored((3,)),
-                BlockRemoved((1,)), AllBlocksCleared()),
+        worker_id="w1",
+        epoch="e1",
+        seq=42,
+        timestamp=1.5,
+        events=(
+            BlockStored((1, 2**64 - 1), parent_hash=7),
+            BlockStored((3,)),
+            BlockRemoved((1,)),
+            AllBlocksCleared(),
+        ),
     )
     assert decode_batch(encode_batch(batch)) == batch
 
@@ -45,9 +52,16 @@ def test_layout_keys_are_namespaced() -> None:
 
 
 def test_worker_record_round_trip() -> None:
-    rec = WorkerRecord(worker_id="w1", address="127.0.0.1:5000", model="m",
-                       hash_spec={"block_size": 16, "model": "m"}, num_blocks=100,
-                       epoch="abc", running=2, prefill_tokens_per_s=1234.5)
+    rec = WorkerRecord(
+        worker_id="w1",
+        address="127.0.0.1:5000",
+        model="m",
+        hash_spec={"block_size": 16, "model": "m"},
+        num_blocks=100,
+        epoch="abc",
+        running=2,
+        prefill_tokens_per_s=1234.5,
+    )
     raw = {k.encode(): v.encode() for k, v in rec.to_mapping().items()}
     assert WorkerRecord.from_mapping(raw) == rec
     with pytest.raises(ValueError, match="malformed"):

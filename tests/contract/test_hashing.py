@@ -15,10 +15,16 @@ from contract.hashing import HashSpec, block_hash, block_hashes, extend_block_ha
 # worker and gateway in a fleet must be upgraded together. Change deliberately.
 GOLDEN = [
     (HashSpec(block_size=4, model="m"), list(range(10)), [0x4AABACED97CAF3B3, 0x904AB4D3C23D406F]),
-    (HashSpec(model="SmolLM2-135M-Instruct"), list(range(32)),
-     [0x153CD0C40524839B, 0x8A1846AB2E32BB86]),
-    (HashSpec(block_size=4, model="m", cache_salt="tenant-a"), [2**32 - 1] * 4,
-     [0x7BF3222834AC6A52]),
+    (
+        HashSpec(model="SmolLM2-135M-Instruct"),
+        list(range(32)),
+        [0x153CD0C40524839B, 0x8A1846AB2E32BB86],
+    ),
+    (
+        HashSpec(block_size=4, model="m", cache_salt="tenant-a"),
+        [2**32 - 1] * 4,
+        [0x7BF3222834AC6A52],
+    ),
 ]
 
 
@@ -83,8 +89,11 @@ def test_incremental_equals_full(tokens: list[int], spec: HashSpec, cut: int) ->
     assert head + extend_block_hashes(head, tokens, spec) == block_hashes(tokens, spec)
 
 
-@given(tokens=st.lists(st.integers(0, 2**32 - 1), min_size=16, max_size=40), spec=specs_st,
-       field=st.sampled_from(["model", "revision", "lora", "cache_salt"]))
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), min_size=16, max_size=40),
+    spec=specs_st,
+    field=st.sampled_from(["model", "revision", "lora", "cache_salt"]),
+)
 def test_identity_change_changes_every_hash(tokens: list[int], spec: HashSpec, field: str) -> None:
     from dataclasses import replace
 

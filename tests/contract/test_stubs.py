@@ -14,11 +14,17 @@ def test_stubs_are_fresh(tmp_path: Path) -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     generated = module.generate(tmp_path)
-    assert {p.name for p in generated} >= {"worker_pb2.py", "worker_pb2_grpc.py", "kv_events_pb2.py"}
+    assert {p.name for p in generated} >= {
+        "worker_pb2.py",
+        "worker_pb2_grpc.py",
+        "kv_events_pb2.py",
+    }
     for path in generated:
         committed = ROOT / "contract" / path.name
         assert committed.exists(), f"{committed} missing: run make proto"
-        assert committed.read_text() == path.read_text(), f"{committed.name} is stale: run make proto"
+        assert committed.read_text() == path.read_text(), (
+            f"{committed.name} is stale: run make proto"
+        )
 
 
 def test_stubs_import() -> None:

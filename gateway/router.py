@@ -1,0 +1,212 @@
+"""The routing decision: which worker a request should go to, and why.
+
+Pure: no I/O, no clocks, no Redis. The gateway (and the loadtest fleet
+simulator) hand in a snapshot of every candidate worker — its cached prefix
+for this request and its load — and get back a ``Decision``. The only state
+kept between calls is the round-robin cursor and a seeded random generator,
+so a run is reproducible.
+
+The ``kvroute`` policy, step by step:
+
+1. Load of a worker = outstanding requests, ``max(running + waiting, inflight)``
+   (the registry's count is shared by all gateways but lags a heartbeat; this
+   gateway's ``inflight`` is exact but only its own; the larger is the safer).
+2. Bounded load: a worker whose load, counting this request, would exceed
+   ``balance_factor`` x the fleet's mean load (also counting this request) is
+   skipped, unless every worker would be. A hot prefix then spills to a second
+   worker, which caches it too.
+3. Predicted time to first token per remaining worker:
+   ``(queued_prefill_tokens + prompt_tokens - cached_tokens) / prefill_rate
+   + max(running, inflight) * decode_weight_s``.
+4. Workers within ``TIE_RELATIVE`` of the best prediction are tied: the
+   session's last worker wins a tie, then the least loaded, then rotation.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+POLICIES = ("kvroute", "round_robin", "random", "least_loaded", "session", "prefix")
+REASONS = ("cache", "session", "load", "fallback")
+
+# Predictions this close (relative) are noise in the measured prefill rates,
+# not a real difference: let affinity and load decide instead.
+TIE_RELATIVE = 0.05
+# A prediction is never below this many tokens of work: the worker always
+# computes the last prompt token, even when every block is cached.
+_MIN_UNCACHED_TOKENS = 1
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One candidate worker as the router sees it for one request."""
+
+    worker_id: str
+    cached_blocks: int  # longest run of the request's chain on this worker, from block 0
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0  # 0 = unknown: a default rate is assumed
+    free_blocks: int = 0
+    num_blocks: int = 0
+    inflight: int = 0  # requests this gateway sent and that have not finished
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the router needs to know about the request itself."""
+
+    prompt_tokens: int
+    block_size: int
+    session_worker: str | None = None  # the worker this session last used, if any
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The chosen worker, why, and the fallbacks in order."""
+
+    worker_id: str
+    reason: str  # "cache" | "session" | "load" | "fallback"
+    predicted_cached_tokens: int
+    ranked: tuple[str, ...]  # every candidate, best first (for retries)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Routing policy and its knobs."""
+
+    policy: str = "kvroute"  # kvroute|round_robin|random|least_loaded|session|prefix
+    balance_factor: float = 1.5  # bounded load: skip workers above factor x mean load
+    default_prefill_tokens_per_s: float = 5000.0
+    decode_weight_s: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
+        if not self.balance_factor >= 1.0:
+            raise ValueError(f"--balance-factor must be >= 1.0, got {self.balance_factor}")
+        if not self.default_prefill_tokens_per_s > 0:
+            raise ValueError("default_prefill_tokens_per_s must be positive")
+        if self.decode_weight_s < 0:
+            raise ValueError("decode_weight_s must be >= 0")
+
+
+def worker_load(w: WorkerState) -> int:
+    """Outstanding requests on ``w`` (see step 1 of the module docstring)."""
+    return max(w.running + w.waiting, w.inflight)
+
+
+class Router:
+    """Picks a worker per request under one policy."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self._cursor = 0
+        self._rng = random.Random(config.seed)
+
+    # -- public ---------------------------------------------------------------
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:
+        """The worker for ``request`` among ``workers``; ``ValueError`` if there are none."""
+        if not workers:
+            raise ValueError("no workers to route to")
+        if request.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        # Sorted by id so that rotation and ties do not depend on the caller's order.
+        ws = sorted(workers, key=lambda w: w.worker_id)
+        policy = self.config.policy
+        if policy == "kvroute":
+            return self._kvroute(request, ws)
+        if policy == "round_robin":
+            start = self._cursor % len(ws)
+            self._cursor += 1
+            order = ws[start:] + ws[:start]
+            return self._decide(request, order, "fallback")
+        if policy == "random":
+            order = list(ws)
+            self._rng.shuffle(order)
+            return self._decide(request, order, "fallback")
+        if policy == "least_loaded":
+            return self._decide(request, self._by_load(ws), "load")
+        if policy == "session":
+            order = self._by_load(ws)
+            for i, w in enumerate(order):
+                if w.worker_id == request.session_worker:
+                    return self._decide(request, [w, *order[:i], *order[i + 1 :]], "session")
+            return self._decide(request, order, "load")
+        # prefix: longest match only, ties least loaded
+        order = sorted(self._by_load(ws), key=lambda w: -w.cached_blocks)
+        return self._decide(request, order, "cache" if order[0].cached_blocks > 0 else "load")
+
+    def predicted_ttft(self, request: RouteRequest, w: WorkerState) -> float:
+        """Seconds until ``w`` would emit this request's first token (step 3)."""
+        cached = self._cached_tokens(request, w)
+        uncached = max(request.prompt_tokens - cached, _MIN_UNCACHED_TOKENS)
+        rate = w.prefill_tokens_per_s or self.config.default_prefill_tokens_per_s
+        decode = max(w.running, w.inflight) * self.config.decode_weight_s
+        return (w.queued_prefill_tokens + uncached) / rate + decode
+
+    def overloaded(self, workers: Sequence[WorkerState]) -> set[str]:
+        """Ids of workers over the bounded-load limit (step 2), empty if all would be."""
+        loads = {w.worker_id: worker_load(w) for w in workers}
+        limit = self.config.balance_factor * (sum(loads.values()) + 1) / len(loads)
+        over = {wid for wid, load in loads.items() if load + 1 > limit}
+        return set() if len(over) == len(loads) else over
+
+    # -- internals ------------------------------------------------------------
+
+    def _kvroute(self, request: RouteRequest, ws: list[WorkerState]) -> Decision:
+        over = self.overloaded(ws)
+        eligible = [w for w in ws if w.worker_id not in over]
+        ttft = {w.worker_id: self.predicted_ttft(request, w) for w in ws}
+        best = min(ttft[w.worker_id] for w in eligible)
+        tied = [w for w in eligible if ttft[w.worker_id] <= best * (1 + TIE_RELATIVE)]
+        session = next((w for w in tied if w.worker_id == request.session_worker), None)
+        if session is not None and len(tied) > 1:
+            chosen, reason = session, "session"
+        else:
+            chosen = self._least_loaded_rotating(tied)
+            if chosen.cached_blocks > 0:
+                reason = "cache"
+            elif len(tied) == 1 or len({worker_load(w) for w in tied}) > 1:
+                reason = "load"
+            else:
+                reason = "fallback"  # nothing told the workers apart
+        # A better-cached worker passed over for its load is a spill: say so.
+        if any(w.cached_blocks > chosen.cached_blocks for w in ws) and reason != "session":
+            reason = "load"
+        rest = sorted(
+            (w for w in ws if w is not chosen),
+            key=lambda w: (w.worker_id in over, ttft[w.worker_id], worker_load(w)),
+        )
+        return self._decide(request, [chosen, *rest], reason)
+
+    def _least_loaded_rotating(self, tied: list[WorkerState]) -> WorkerState:
+        low = min(worker_load(w) for w in tied)
+        least = [w for w in tied if worker_load(w) == low]
+        if len(least) == 1:
+            return least[0]
+        # Rotate among equals so sequential cold requests spread over the fleet.
+        pick = least[self._cursor % len(least)]
+        self._cursor += 1
+        return pick
+
+    @staticmethod
+    def _by_load(ws: list[WorkerState]) -> list[WorkerState]:
+        return sorted(ws, key=lambda w: (worker_load(w), w.queued_prefill_tokens))
+
+    @staticmethod
+    def _cached_tokens(request: RouteRequest, w: WorkerState) -> int:
+        return min(w.cached_blocks * request.block_size, request.prompt_tokens)
+
+    def _decide(self, request: RouteRequest, order: list[WorkerState], reason: str) -> Decision:
+        first = order[0]
+        return Decision(
+            worker_id=first.worker_id,
+            reason=reason,
+            predicted_cached_tokens=self._cached_tokens(request, first),
+            ranked=tuple(w.worker_id for w in order),
+        )
