@@ -159,7 +159,7 @@ class Fleet:
         args = [
             "worker",
             "--model",
-            cfg.model,
+            self.model_dir,
             "--redis-url",
             self.redis_url,
             "--redis-namespace",
@@ -194,7 +194,7 @@ class Fleet:
         args = [
             "gateway",
             "--model",
-            cfg.model,
+            self.model_dir,
             "--redis-url",
             self.redis_url,
             "--redis-namespace",
