@@ -14,7 +14,9 @@ The ``kvroute`` policy, step by step:
 2. Bounded load: a worker whose load, counting this request, would exceed
    ``balance_factor`` x the fleet's mean load (also counting this request) is
    skipped, unless every worker would be. A hot prefix then spills to a second
-   worker, which caches it too.
+   worker, which caches it too. At low concurrency the bound is at least
+   ``LOAD_SLACK`` requests above the mean, so one request in flight does not
+   push a conversation off the worker that holds its cache.
 3. Predicted time to first token per remaining worker:
    ``(queued_prefill_tokens + prompt_tokens - cached_tokens) / prefill_rate
    + max(running, inflight) * decode_weight_s``.
@@ -34,6 +36,8 @@ REASONS = ("cache", "session", "load", "fallback")
 # Predictions this close (relative) are noise in the measured prefill rates,
 # not a real difference: let affinity and load decide instead.
 TIE_RELATIVE = 0.05
+# Requests a worker may run above the mean before the bound applies (see step 2).
+LOAD_SLACK = 2
 # A prediction is never below this many tokens of work: the worker always
 # computes the last prompt token, even when every block is cached.
 _MIN_UNCACHED_TOKENS = 1
@@ -152,7 +156,8 @@ class Router:
     def overloaded(self, workers: Sequence[WorkerState]) -> set[str]:
         """Ids of workers over the bounded-load limit (step 2), empty if all would be."""
         loads = {w.worker_id: worker_load(w) for w in workers}
-        limit = self.config.balance_factor * (sum(loads.values()) + 1) / len(loads)
+        mean = (sum(loads.values()) + 1) / len(loads)
+        limit = max(self.config.balance_factor * mean, mean + LOAD_SLACK)
         over = {wid for wid, load in loads.items() if load + 1 > limit}
         return set() if len(over) == len(loads) else over
 

@@ -1,0 +1,203 @@
+"""The gateway's aiohttp application: ``create_app(config)`` wires every part together.
+
+Routes: the OpenAI endpoints (``gateway.api``), ``/healthz``, ``/readyz``,
+``/metrics``, ``/openapi.json`` and the dashboard. Two middlewares: API-key
+authentication for ``/v1/*`` when a keys file is configured, and error
+shaping, so every failure reaches the client as an OpenAI error body. The
+index mirror runs as a background task owned by ``cleanup_ctx``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from gateway import api, dashboard
+from gateway.auth import ApiKeys
+from gateway.config import GatewayConfig
+from gateway.dispatch import Dispatcher
+from gateway.errors import APIError, error_body
+from gateway.index import BlockIndex
+from gateway.metrics import GatewayMetrics
+from gateway.mirror import IndexMirror
+from gateway.openapi import openapi_spec
+from gateway.proxy import WorkerClients
+from gateway.router import Router
+from gateway.sessions import SessionMap
+from gateway.state import STATE, TENANT, GatewayState
+from gateway.stats import RollingStats
+from gateway.tokenizer import ChatTokenizer
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    metrics = request.app[STATE].metrics
+    try:
+        resp = await handler(request)
+    except APIError as exc:
+        resp = web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = exc.text if exc.status != 413 else "the request body is too large"
+        if exc.status == 404:
+            message = f"no route {request.method} {request.path}"
+        resp = web.json_response(error_body(exc.status, message or exc.reason), status=exc.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        resp = web.json_response(error_body(500, "internal gateway error"), status=500)
+    metrics.responses.labels(str(resp.status)).inc()
+    return resp
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    keys = request.app[STATE].api_keys
+    if keys is not None and request.path.startswith("/v1/"):
+        tenant = keys.tenant_for(request.headers.get("Authorization"))
+        if tenant is None:
+            raise APIError(
+                401,
+                "invalid or missing API key (Authorization: Bearer <key>)",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        request[TENANT] = tenant
+    return await handler(request)
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = {
+        "ready": state.ready(),
+        "redis": state.mirror.redis_ok,
+        "snapshot": state.mirror.has_snapshot,
+        "healthy_workers": len(state.dispatcher.healthy()),
+    }
+    return web.json_response(body, status=200 if body["ready"] else 503)
+
+
+def refresh_gauges(state: GatewayState) -> None:
+    """Sets the point-in-time gauges from the mirror and the dispatcher."""
+    m = state.metrics
+    healthy = state.dispatcher.healthy()
+    m.healthy_workers.set(len(healthy))
+    for wid, entry in state.mirror.workers.items():
+        m.index_blocks.labels(wid).set(state.index.block_count(wid))
+        m.index_event_lag.labels(wid).set(entry.event_lag_s)
+        s = state.dispatcher.state(entry, 0)
+        for kind, value in (
+            ("running", s.running),
+            ("waiting", s.waiting),
+            ("queued_prefill_tokens", s.queued_prefill_tokens),
+            ("free_blocks", s.free_blocks),
+            ("inflight", s.inflight),
+        ):
+            m.worker_load.labels(wid, kind).set(value)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    refresh_gauges(state)
+    return web.Response(
+        body=state.metrics.render(),
+        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    )
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_spec(request.app[STATE].config.model_name))
+
+
+async def _background(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    task = asyncio.create_task(state.mirror.run(), name="kvroute-index-mirror")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await state.clients.close()
+
+
+def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -> GatewayState:
+    """Every long-lived part of a gateway, wired together (no I/O yet)."""
+    if tokenizer is None:
+        tokenizer = ChatTokenizer(
+            config.model_dir,
+            cache_entries=config.tokenizer_cache_entries,
+            cache_tokens=config.tokenizer_cache_tokens,
+            executor_min_chars=config.executor_min_chars,
+        )
+    index = BlockIndex()
+    clients = WorkerClients()
+    sessions = SessionMap(config.session_ttl_s)
+    metrics = GatewayMetrics()
+    stats = RollingStats()
+    mirror = IndexMirror(config.redis_url, config.layout, index, poll_s=config.registry_poll_s)
+    dispatcher = Dispatcher(
+        mirror=mirror,
+        index=index,
+        router=Router(config.router),
+        clients=clients,
+        sessions=sessions,
+        metrics=metrics,
+        stats=stats,
+        speculative_ttl_s=config.speculative_ttl_s,
+        max_queue_per_worker=config.max_queue_per_worker,
+        request_timeout_s=config.request_timeout_s,
+        max_retries=config.max_retries,
+    )
+
+    def on_drop(worker_id: str) -> None:
+        clients.forget(worker_id)
+        sessions.forget_worker(worker_id)
+        metrics.forget_worker(worker_id)
+        dispatcher.forget(worker_id)
+
+    mirror.on_drop = on_drop
+    keys = ApiKeys.load(config.api_keys_file) if config.api_keys_file else None
+    return GatewayState(
+        config=config,
+        tokenizer=tokenizer,
+        index=index,
+        mirror=mirror,
+        clients=clients,
+        sessions=sessions,
+        metrics=metrics,
+        stats=stats,
+        dispatcher=dispatcher,
+        api_keys=keys,
+        started_at=int(time.time()),
+    )
+
+
+def create_app(config: GatewayConfig, *, tokenizer: ChatTokenizer | None = None) -> web.Application:
+    """The gateway as an aiohttp application (pass ``tokenizer`` to share a loaded one)."""
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors, _auth])
+    app[STATE] = build_state(config, tokenizer)
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
+    app.router.add_get("/dashboard", dashboard.page)
+    app.router.add_get("/dashboard/data", dashboard.data)
+    app.cleanup_ctx.append(_background)
+    return app

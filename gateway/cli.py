@@ -1,0 +1,151 @@
+"""``kvroute gateway``: flags (with ``KVROUTE_*`` environment fallback) to a running server.
+
+Every flag can also come from the environment: ``--redis-url`` from
+``KVROUTE_REDIS_URL``, ``--balance-factor`` from ``KVROUTE_BALANCE_FACTOR``,
+and so on. The server runs on uvloop until SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from gateway.config import LOG_LEVELS, GatewayConfig
+from gateway.model_path import resolve_model_dir
+from gateway.router import POLICIES, RouterConfig
+
+logger = logging.getLogger(__name__)
+
+# flag, type, default, help
+_FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
+    ("--model", str, None, "model folder (tokenizer + chat template) or the alias smollm2"),
+    ("--served-model-name", str, "", "the name clients use (default: the folder's name)"),
+    ("--redis-url", str, "redis://127.0.0.1:6379/0", "Redis with the workers' registry"),
+    ("--redis-namespace", str, "kvroute", "key prefix shared with the workers"),
+    ("--host", str, "0.0.0.0", "address to listen on"),
+    ("--port", int, 8000, "port to listen on"),
+    ("--policy", str, "kvroute", "routing policy: " + ", ".join(POLICIES)),
+    ("--balance-factor", float, 1.5, "bounded load: skip workers above this x mean load"),
+    ("--session-ttl", float, 600.0, "seconds a session stays pinned after its last request"),
+    ("--speculative-ttl", float, 2.0, "seconds a routed prompt counts as cached (0 = off)"),
+    ("--max-queue-per-worker", int, 0, "answer 429 when every worker queues this many (0 = off)"),
+    ("--request-timeout", float, 600.0, "seconds a request may take end to end"),
+    ("--max-body-bytes", int, 4 * 1024 * 1024, "largest accepted request body (413 above)"),
+    ("--api-keys-file", str, "", "JSON of bearer key -> tenant (optional)"),
+    ("--log-level", str, "info", "one of " + ", ".join(LOG_LEVELS)),
+]
+
+
+def _env_name(flag: str) -> str:
+    return "KVROUTE_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvroute gateway",
+        description="OpenAI-compatible gateway that routes each request to the worker "
+        "holding the longest cached prefix of it. Every flag falls back to "
+        "the environment variable KVROUTE_<FLAG> (e.g. KVROUTE_REDIS_URL).",
+    )
+    for flag, _kind, default, text in _FLAGS:
+        # Parsed as text so a bad value (flag or env) gets one ValueError naming the flag.
+        env = os.environ.get(_env_name(flag))
+        value = env if env is not None else default
+        parser.add_argument(flag, default=value, help=f"{text} [env {_env_name(flag)}]")
+    return parser
+
+
+def _convert(args: argparse.Namespace, flag: str, kind: Callable[[str], Any]) -> Any:
+    raw = getattr(args, flag.lstrip("-").replace("-", "_"))
+    if raw is None or kind is str:
+        return raw
+    try:
+        return kind(raw)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{flag}: expected {kind.__name__}, got {raw!r}") from exc
+
+
+def config_from_args(argv: list[str]) -> GatewayConfig:
+    """Parses flags (and their environment fallbacks) into a validated ``GatewayConfig``."""
+    args = build_parser().parse_args(argv)
+    v = {flag: _convert(args, flag, kind) for flag, kind, _, _ in _FLAGS}
+    if not v["--model"]:
+        raise ValueError("--model is required (a model folder or the alias smollm2)")
+    return GatewayConfig(
+        model_dir=resolve_model_dir(v["--model"]),
+        served_model_name=v["--served-model-name"],
+        redis_url=v["--redis-url"],
+        redis_namespace=v["--redis-namespace"],
+        host=v["--host"],
+        port=v["--port"],
+        router=RouterConfig(policy=v["--policy"], balance_factor=v["--balance-factor"]),
+        session_ttl_s=v["--session-ttl"],
+        speculative_ttl_s=v["--speculative-ttl"],
+        max_queue_per_worker=v["--max-queue-per-worker"],
+        request_timeout_s=v["--request-timeout"],
+        max_body_bytes=v["--max-body-bytes"],
+        api_keys_file=Path(v["--api-keys-file"]) if v["--api-keys-file"] else None,
+        log_level=v["--log-level"].lower(),
+    )
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Runs the gateway until SIGINT/SIGTERM."""
+    from gateway.app import create_app
+
+    app = create_app(config)
+    # Cancelling a handler when its client disconnects aborts the worker request too.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    logger.info(
+        "kvroute gateway serving %s on %s (policy %s)",
+        config.model_name,
+        ", ".join(site.name for site in runner.sites),
+        config.router.policy,
+    )
+    try:
+        await stop.wait()
+    finally:
+        logger.info("shutting down")
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvroute gateway``; returns the exit status."""
+    try:
+        config = config_from_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as exc:
+        print(f"kvroute gateway: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    loop_factory = None
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        logger.warning("uvloop not installed; using the default event loop")
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

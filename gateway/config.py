@@ -1,0 +1,66 @@
+"""The gateway's configuration: one frozen dataclass, built once by ``gateway.cli``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from contract.redis_layout import DEFAULT_NAMESPACE, RedisLayout
+from gateway.router import RouterConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything ``create_app`` needs; each field mirrors a ``kvroute gateway`` flag."""
+
+    model_dir: Path
+    served_model_name: str = ""  # "" = the model folder's name
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_namespace: str = DEFAULT_NAMESPACE
+    host: str = "0.0.0.0"
+    port: int = 8000
+    router: RouterConfig = field(default_factory=RouterConfig)
+    session_ttl_s: float = 600.0
+    speculative_ttl_s: float = 2.0  # 0 = no speculative index entries
+    max_queue_per_worker: int = 0  # 0 = never answer 429
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    api_keys_file: Path | None = None
+    log_level: str = "info"
+    registry_poll_s: float = 0.5
+    max_retries: int = 2  # other workers tried when one fails before its first token
+    tokenizer_cache_entries: int = 1024
+    tokenizer_cache_tokens: int = 8_000_000
+    executor_min_chars: int = 4096  # longer uncached suffixes are tokenized off the loop
+
+    def __post_init__(self) -> None:
+        RedisLayout(self.redis_namespace)  # validates --redis-namespace
+        checks = [
+            (0 <= self.port <= 65535, "--port must be in [0, 65535]"),
+            (self.session_ttl_s >= 0, "--session-ttl must be >= 0"),
+            (self.speculative_ttl_s >= 0, "--speculative-ttl must be >= 0"),
+            (self.max_queue_per_worker >= 0, "--max-queue-per-worker must be >= 0"),
+            (self.request_timeout_s > 0, "--request-timeout must be > 0"),
+            (self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024"),
+            (self.log_level.lower() in LOG_LEVELS, f"--log-level: one of {LOG_LEVELS}"),
+            (self.registry_poll_s > 0, "registry_poll_s must be > 0"),
+            (self.max_retries >= 0, "max_retries must be >= 0"),
+            (
+                self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+                "--redis-url must start with redis://, rediss:// or unix://",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def model_name(self) -> str:
+        """The name clients put in ``model``."""
+        return self.served_model_name or self.model_dir.resolve().name
+
+    @property
+    def layout(self) -> RedisLayout:
+        return RedisLayout(self.redis_namespace)

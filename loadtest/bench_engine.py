@@ -1,0 +1,269 @@
+"""Engine benchmark on one worker's engine (no gateway): prefix-hit TTFT and batched throughput.
+
+Prints one JSON object:
+
+(a) ``ttft_cold_s`` for a ``--prompt-tokens`` prompt on a cold cache, and
+    ``ttft_hit_s`` for another prompt of the same length right after a request
+    that shares its first ``--shared-tokens`` tokens; ``ttft_ratio`` = cold / hit.
+(b) ``--concurrency`` requests of ``--new-tokens`` greedy tokens each, all at
+    once through the engine, against Hugging Face ``generate`` on the same
+    prompts one request at a time: ``engine_tokens_per_s``, ``hf_tokens_per_s``,
+    ``throughput_ratio``.
+(c) ``outputs_identical``: every engine output of (b) equals HF's token for
+    token, and the first tokens of (a), cold and with the prefix hit, equal
+    HF's greedy next token.
+
+Usage: ``python -m loadtest.bench_engine [--model smollm2] [--prompt-tokens 2048]
+[--shared-tokens 1984] [--new-tokens 256] [--concurrency 8]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str = "smollm2"
+    prompt_tokens: int = 2048
+    shared_tokens: int = 1984
+    new_tokens: int = 256
+    concurrency: int = 8
+    throughput_prompt_tokens: int = 32
+    block_size: int = 16
+    max_batch_tokens: int = 2048
+    dtype: str = "float32"
+    threads: int = 0  # 0 = torch's default
+    seed: int = 0
+
+    def validate(self) -> BenchConfig:
+        for flag, value in (
+            ("--prompt-tokens", self.prompt_tokens),
+            ("--new-tokens", self.new_tokens),
+            ("--concurrency", self.concurrency),
+            ("--throughput-prompt-tokens", self.throughput_prompt_tokens),
+            ("--max-batch-tokens", self.max_batch_tokens),
+        ):
+            if value < 1:
+                raise ValueError(f"{flag} {value}: must be >= 1")
+        if not 0 <= self.shared_tokens < self.prompt_tokens:
+            raise ValueError(f"--shared-tokens {self.shared_tokens}: must be in [0, prompt-tokens)")
+        return self
+
+
+def random_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
+    """Seeded random token ids, clear of the low ids where special tokens live."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1000, vocab_size, (length,), generator=generator).tolist()
+
+
+async def run_request(engine: Any, request_id: str, prompt: list[int], max_tokens: int) -> dict:
+    """One greedy request to completion: its tokens, client-side TTFT and cached tokens."""
+    from worker.sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    ttft = None
+    tokens: list[int] = []
+    cached = 0
+    async for out in engine.generate(request_id, prompt, params):
+        if out.new_token_ids and ttft is None:
+            ttft = time.perf_counter() - started
+        tokens.extend(out.new_token_ids)
+        cached = out.cached_tokens
+    return {"tokens": tokens, "ttft_s": ttft, "cached_tokens": cached}
+
+
+def hf_greedy(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    """HF ``generate`` greedy, never stopping early (the engine runs with ignore_eos)."""
+    import torch
+
+    config = model.generation_config.__class__.from_dict(model.generation_config.to_dict())
+    # No EOS: generation runs to max_new_tokens without suppressing any token.
+    config.eos_token_id = None
+    config.pad_token_id = 0
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            generation_config=config,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+async def bench_ttft(engine: Any, cfg: BenchConfig, vocab: int) -> dict:
+    cold_prompt = random_prompt(vocab, cfg.prompt_tokens, cfg.seed + 1)
+    hit_prompt = random_prompt(vocab, cfg.prompt_tokens, cfg.seed + 2)
+    sibling = hit_prompt[: cfg.shared_tokens] + random_prompt(
+        vocab, cfg.prompt_tokens - cfg.shared_tokens, cfg.seed + 3
+    )
+    cold = await run_request(engine, "ttft-cold", cold_prompt, 1)
+    await run_request(engine, "ttft-sibling", sibling, 1)
+    hit = await run_request(engine, "ttft-hit", hit_prompt, 1)
+    return {
+        "cold_prompt": cold_prompt,
+        "hit_prompt": hit_prompt,
+        "cold": cold,
+        "hit": hit,
+    }
+
+
+async def bench_throughput(engine: Any, prompts: list[list[int]], new_tokens: int) -> dict:
+    started = time.perf_counter()
+    results = await asyncio.gather(
+        *(run_request(engine, f"tput-{i}", p, new_tokens) for i, p in enumerate(prompts))
+    )
+    elapsed = time.perf_counter() - started
+    return {"outputs": [r["tokens"] for r in results], "elapsed_s": elapsed}
+
+
+async def run_engine_part(cfg: BenchConfig) -> tuple[dict, dict, dict]:
+    from contract.hashing import HashSpec
+    from worker.engine import Engine, EngineConfig
+    from worker.model_runner import ModelRunner
+
+    per_prompt = math.ceil((cfg.prompt_tokens + 1) / cfg.block_size)
+    per_tput = math.ceil((cfg.throughput_prompt_tokens + cfg.new_tokens) / cfg.block_size)
+    num_blocks = max(3 * per_prompt, cfg.concurrency * per_tput) + 16
+    runner = ModelRunner(
+        cfg.model, dtype=cfg.dtype, block_size=cfg.block_size, num_blocks=num_blocks
+    )
+    engine = Engine(
+        runner,
+        EngineConfig(max_num_seqs=max(cfg.concurrency, 8), max_batch_tokens=cfg.max_batch_tokens),
+        hash_spec=HashSpec(block_size=cfg.block_size, model=runner.model_name),
+    )
+    engine.start()
+    try:
+        # Warm-up: first-call costs (allocator, kernels) must not land on the cold TTFT.
+        await run_request(engine, "warmup", random_prompt(runner.vocab_size, 64, cfg.seed), 4)
+        ttft = await bench_ttft(engine, cfg, runner.vocab_size)
+        prompts = [
+            random_prompt(runner.vocab_size, cfg.throughput_prompt_tokens, cfg.seed + 100 + i)
+            for i in range(cfg.concurrency)
+        ]
+        tput = await bench_throughput(engine, prompts, cfg.new_tokens)
+        tput["prompts"] = prompts
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    info = {"model_name": runner.model_name, "num_blocks": num_blocks, "vocab": runner.vocab_size}
+    info["engine_cached_prompt_tokens_total"] = stats.cached_prompt_tokens_total
+    return ttft, tput, info
+
+
+def run_hf_part(cfg: BenchConfig, ttft: dict, tput: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from worker.model_store import resolve_model
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model), dtype=dtype[cfg.dtype])
+    model.eval()
+    hf_greedy(model, tput["prompts"][0][:8], 4)  # warm-up
+    started = time.perf_counter()
+    outputs = [hf_greedy(model, p, cfg.new_tokens) for p in tput["prompts"]]
+    elapsed = time.perf_counter() - started
+    first_tokens = [hf_greedy(model, ttft[k], 1)[0] for k in ("cold_prompt", "hit_prompt")]
+    return {"outputs": outputs, "elapsed_s": elapsed, "first_tokens": first_tokens}
+
+
+def run(cfg: BenchConfig) -> dict:
+    """Runs the whole benchmark and returns the JSON-ready result."""
+    import torch
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    ttft, tput, info = asyncio.run(run_engine_part(cfg))
+    hf = run_hf_part(cfg, ttft, tput)
+    total_tokens = cfg.concurrency * cfg.new_tokens
+    engine_tps = total_tokens / tput["elapsed_s"]
+    hf_tps = total_tokens / hf["elapsed_s"]
+    cold, hit = ttft["cold"], ttft["hit"]
+    identical_outputs = tput["outputs"] == hf["outputs"]
+    identical_first = [cold["tokens"][0], hit["tokens"][0]] == hf["first_tokens"]
+    return {
+        "model": info["model_name"],
+        "device": "cpu",
+        "dtype": cfg.dtype,
+        "torch_threads": torch.get_num_threads(),
+        "prompt_tokens": cfg.prompt_tokens,
+        "shared_tokens": cfg.shared_tokens,
+        "ttft_cold_s": round(cold["ttft_s"], 4),
+        "ttft_hit_s": round(hit["ttft_s"], 4),
+        "ttft_ratio": round(cold["ttft_s"] / hit["ttft_s"], 2),
+        "hit_cached_tokens": hit["cached_tokens"],
+        "concurrency": cfg.concurrency,
+        "new_tokens": cfg.new_tokens,
+        "throughput_prompt_tokens": cfg.throughput_prompt_tokens,
+        "engine_elapsed_s": round(tput["elapsed_s"], 3),
+        "engine_tokens_per_s": round(engine_tps, 2),
+        "hf_elapsed_s": round(hf["elapsed_s"], 3),
+        "hf_tokens_per_s": round(hf_tps, 2),
+        "throughput_ratio": round(engine_tps / hf_tps, 2),
+        "outputs_identical": identical_outputs and identical_first,
+        "throughput_outputs_identical": identical_outputs,
+        "ttft_first_tokens_identical": identical_first,
+        "num_blocks": info["num_blocks"],
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    defaults = BenchConfig()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
+    parser.add_argument("--shared-tokens", type=int, default=None,
+                        help="prefix shared with the earlier request (default: prompt - 64)")
+    parser.add_argument("--new-tokens", type=int, default=defaults.new_tokens)
+    parser.add_argument("--concurrency", type=int, default=defaults.concurrency)
+    parser.add_argument("--throughput-prompt-tokens", type=int,
+                        default=defaults.throughput_prompt_tokens)
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
+    parser.add_argument("--dtype", default=defaults.dtype)
+    parser.add_argument("--threads", type=int, default=defaults.threads)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    args = parser.parse_args(argv)
+    shared = args.shared_tokens
+    if shared is None:
+        shared = max(0, args.prompt_tokens - 64)
+    return BenchConfig(
+        model=args.model,
+        prompt_tokens=args.prompt_tokens,
+        shared_tokens=shared,
+        new_tokens=args.new_tokens,
+        concurrency=args.concurrency,
+        throughput_prompt_tokens=args.throughput_prompt_tokens,
+        block_size=args.block_size,
+        max_batch_tokens=args.max_batch_tokens,
+        dtype=args.dtype,
+        threads=args.threads,
+        seed=args.seed,
+    ).validate()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cfg = parse_args(argv)
+    result = run(cfg)
+    print(json.dumps(result, indent=2))  # the benchmark's output is its JSON
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

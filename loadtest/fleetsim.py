@@ -1,0 +1,401 @@
+"""The fleet simulator: the production router in front of simulated workers.
+
+A discrete-event simulation of one gateway and N workers:
+
+- Each worker has a real ``BlockCache`` of ``capacity_tokens / block_size``
+  blocks and one FCFS prefill queue served at ``prefill_tokens_per_s``; a
+  request's blocks are acquired (hit measured, room evicted) when its prefill
+  starts, so ``TTFT = queue wait + max(prompt - cached, 1) / rate``. Decode
+  then takes ``(output_tokens - 1) * decode_step_s``; decoding requests run in
+  parallel (a continuous batch) and keep their blocks pinned until they end.
+- The gateway's view of each worker is what its index mirror would hold: the
+  worker's KV events (stored at prefill end, removed at eviction) applied
+  ``event_delay_s`` later, plus speculative entries for ``speculative_ttl_s``
+  after each routing, exactly as the gateway adds them. Registry load
+  (running, waiting, queued prefill tokens, free blocks) is refreshed every
+  ``heartbeat_s`` and corrected the way ``gateway.dispatch`` corrects it:
+  finishes seen since the heartbeat are subtracted, queued prefill tokens are
+  at least this gateway's own not-yet-started prompt tokens, and ``inflight``
+  is the gateway's own exact count.
+- Gateway policies are decided by ``gateway.router.Router`` itself;
+  ``chwbl`` and ``sglang_like`` come from ``loadtest.baselines``.
+
+Multi-turn shapes (``RequestShape.after``) arrive when their previous turn
+finishes plus the think time, so the open loop of users is closed per user.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import defaultdict, deque
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.router import POLICIES, Router, RouterConfig, RouteRequest, WorkerState
+from loadtest.baselines import Chwbl, SglangLike
+from loadtest.blockcache import BlockCache
+from loadtest.workloads import RequestShape
+
+SIM_POLICIES = (*POLICIES, "chwbl", "sglang_like")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The fleet, its time model, the gateway's view lag, and the policy."""
+
+    workers: int = 8
+    block_size: int = 512
+    capacity_tokens: int = 3_000_000
+    prefill_tokens_per_s: float = 10_000.0
+    decode_step_s: float = 0.025
+    event_delay_s: float = 0.05
+    heartbeat_s: float = 1.0  # 0 = the router sees live load
+    speculative_ttl_s: float = 2.0
+    session_ttl_s: float = 600.0
+    policy: str = "kvroute"
+    balance_factor: float = 1.5
+    seed: int = 0
+    chwbl_load_factor: float = 1.25
+    sglang_cache_threshold: float = 0.5
+    sglang_balance_abs: int = 32
+    sglang_balance_rel: float = 1.0001
+    sglang_max_tree_tokens: int = 4_194_304
+    router_options: tuple[tuple[str, object], ...] = ()  # extra RouterConfig fields
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError("--workers must be >= 1")
+        if self.block_size < 1:
+            raise ValueError("--block-size must be >= 1")
+        if self.capacity_tokens < self.block_size:
+            raise ValueError("--capacity-tokens must hold at least one block")
+        if not self.prefill_tokens_per_s > 0:
+            raise ValueError("--prefill-tokens-per-s must be positive")
+        for name in (
+            "decode_step_s",
+            "event_delay_s",
+            "heartbeat_s",
+            "speculative_ttl_s",
+            "session_ttl_s",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.policy not in SIM_POLICIES:
+            raise ValueError(f"--policy {self.policy!r}: choose one of {', '.join(SIM_POLICIES)}")
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.capacity_tokens // self.block_size
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one simulated request."""
+
+    shape: RequestShape
+    arrival_s: float
+    worker: str = ""
+    reason: str = ""
+    predicted_cached_tokens: int = 0
+    queued_estimate: int = 0
+    start_s: float = math.nan
+    cached_tokens: int = 0
+    ttft_s: float = math.nan
+    finish_s: float = math.nan
+    stored: list[Hashable] = field(default_factory=list)
+
+
+@dataclass
+class _Worker:
+    wid: str
+    cache: BlockCache
+    queue: deque[RequestRecord] = field(default_factory=deque)
+    current: RequestRecord | None = None
+    current_end: float = 0.0
+    current_tokens: int = 0
+    queued_estimate: int = 0
+    decoding: int = 0
+
+    def live_state(self, now: float) -> tuple[int, int, int, int]:
+        """(running, waiting, queued prefill tokens, free blocks) as the engine reports them."""
+        remaining = 0
+        if self.current is not None:
+            span = max(self.current_end - self.current.start_s, 1e-12)
+            remaining = int(self.current_tokens * max(self.current_end - now, 0.0) / span)
+        running = self.decoding + (self.current is not None)
+        return running, len(self.queue), self.queued_estimate + remaining, self.cache.free_blocks
+
+
+class FleetSimulation:
+    """One run of ``shapes`` through the fleet under ``config``."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.cfg = config
+        ids = [f"w{i}" for i in range(config.workers)]
+        self.workers = {wid: _Worker(wid, BlockCache(config.capacity_blocks)) for wid in ids}
+        self.views: dict[str, set[Hashable]] = {wid: set() for wid in ids}
+        self.speculative: dict[str, dict[Hashable, float]] = {wid: {} for wid in ids}
+        self.inflight: dict[str, int] = dict.fromkeys(ids, 0)
+        # The gateway's own prompt tokens sent but not yet through prefill, per worker.
+        self.pending_prefill: dict[str, int] = dict.fromkeys(ids, 0)
+        self.finished_at: dict[str, list[float]] = {wid: [] for wid in ids}
+        self.snapshot: dict[str, tuple[int, int, int, int]] = {
+            wid: (0, 0, 0, w.cache.free_blocks) for wid, w in self.workers.items()
+        }
+        self.sessions: dict[str, tuple[str, float]] = {}
+        self.records: list[RequestRecord] = []
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = itertools.count()
+        self._pending = 0  # events other than heartbeats
+        self._followers: dict[str, list[RequestShape]] = defaultdict(list)
+        self._route = self._make_policy()
+
+    # -- driving -----------------------------------------------------------------
+
+    def run(
+        self,
+        shapes: Iterable[RequestShape],
+        on_finish: Callable[[RequestRecord], None] | None = None,
+    ) -> list[RequestRecord]:
+        """Simulate every shape to completion; records in arrival order."""
+        for shape in shapes:
+            if shape.after is None:
+                self._push(shape.arrival_s, _ARRIVE, shape)
+            else:
+                self._followers[shape.after].append(shape)
+        if self.cfg.heartbeat_s > 0:
+            self._push(0.0, _HEARTBEAT, None, counted=False)
+        handlers: dict[int, Callable[[float, Any], None]] = {
+            _ARRIVE: self._arrive,
+            _PREFILL_DONE: self._prefill_done,
+            _FINISH: self._finish,
+            _STORED: self._stored,
+            _REMOVED: self._removed,
+            _HEARTBEAT: self._heartbeat,
+        }
+        while self._heap:
+            now, _, kind, data = heapq.heappop(self._heap)
+            if kind != _HEARTBEAT:
+                self._pending -= 1
+            handlers[kind](now, data)
+            if kind == _FINISH and on_finish is not None:
+                on_finish(data)  # type: ignore[arg-type]
+        return self.records
+
+    def _push(self, t: float, kind: int, data: object, *, counted: bool = True) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, data))
+        if counted:
+            self._pending += 1
+
+    # -- events ------------------------------------------------------------------
+
+    def _arrive(self, now: float, shape: RequestShape) -> None:
+        rec = RequestRecord(shape=shape, arrival_s=now)
+        self.records.append(rec)
+        wid, reason, predicted_blocks = self._route(shape, now)
+        rec.worker, rec.reason = wid, reason
+        rec.predicted_cached_tokens = min(
+            predicted_blocks * self.cfg.block_size, shape.prompt_tokens
+        )
+        if self.cfg.speculative_ttl_s > 0:
+            spec = self.speculative[wid]
+            expiry = now + self.cfg.speculative_ttl_s
+            for key in shape.block_keys:
+                spec[key] = expiry
+        self.inflight[wid] += 1
+        self.pending_prefill[wid] += shape.prompt_tokens - rec.predicted_cached_tokens
+        if shape.session is not None:
+            self.sessions[shape.session] = (wid, now)
+        w = self.workers[wid]
+        rec.queued_estimate = (
+            shape.prompt_tokens - w.cache.match(shape.block_keys) * self.cfg.block_size
+        )
+        w.queued_estimate += rec.queued_estimate
+        w.queue.append(rec)
+        if w.current is None:
+            self._start_next(w, now)
+
+    def _start_next(self, w: _Worker, now: float) -> None:
+        rec = w.queue.popleft()
+        w.queued_estimate -= rec.queued_estimate
+        shape = rec.shape
+        hit, stored, evicted = w.cache.acquire(shape.block_keys)
+        rec.cached_tokens = min(hit * self.cfg.block_size, max(shape.prompt_tokens - 1, 0))
+        rec.stored = stored
+        rec.start_s = now
+        uncached = max(shape.prompt_tokens - rec.cached_tokens, 1)
+        w.current, w.current_tokens = rec, uncached
+        w.current_end = now + uncached / self.cfg.prefill_tokens_per_s
+        if evicted:
+            self._push(now + self.cfg.event_delay_s, _REMOVED, (w.wid, evicted))
+        self._push(w.current_end, _PREFILL_DONE, w)
+
+    def _prefill_done(self, now: float, w: _Worker) -> None:
+        rec = w.current
+        assert rec is not None  # only scheduled while a prefill runs
+        rec.ttft_s = now - rec.arrival_s
+        self.pending_prefill[w.wid] -= rec.shape.prompt_tokens - rec.predicted_cached_tokens
+        if rec.stored:
+            self._push(now + self.cfg.event_delay_s, _STORED, (w.wid, rec.stored))
+        w.current = None
+        w.decoding += 1
+        decode = max(rec.shape.output_tokens - 1, 0) * self.cfg.decode_step_s
+        self._push(now + decode, _FINISH, rec)
+        if w.queue:
+            self._start_next(w, now)
+
+    def _finish(self, now: float, rec: RequestRecord) -> None:
+        w = self.workers[rec.worker]
+        shape = rec.shape
+        rec.finish_s = now
+        w.decoding -= 1
+        self.inflight[w.wid] -= 1
+        self.finished_at[w.wid].append(now)
+        chain = shape.block_keys + shape.output_block_keys
+        if shape.output_block_keys:
+            _, stored, evicted = w.cache.acquire(shape.output_block_keys)
+            if evicted:
+                self._push(now + self.cfg.event_delay_s, _REMOVED, (w.wid, evicted))
+            if stored:
+                self._push(now + self.cfg.event_delay_s, _STORED, (w.wid, stored))
+        w.cache.release(chain)
+        for nxt in self._followers.pop(shape.request_id, ()):
+            self._push(now + nxt.think_s, _ARRIVE, nxt)
+
+    def _stored(self, now: float, data: tuple[str, list[Hashable]]) -> None:
+        self.views[data[0]].update(data[1])
+
+    def _removed(self, now: float, data: tuple[str, list[Hashable]]) -> None:
+        self.views[data[0]].difference_update(data[1])
+
+    def _heartbeat(self, now: float, _: object) -> None:
+        for wid, w in self.workers.items():
+            self.snapshot[wid] = w.live_state(now)
+            self.finished_at[wid].clear()  # the new snapshot already counts them
+            spec = self.speculative[wid]
+            if spec:
+                self.speculative[wid] = {k: t for k, t in spec.items() if t > now}
+        if self._pending > 0:
+            self._push(now + self.cfg.heartbeat_s, _HEARTBEAT, None, counted=False)
+
+    # -- routing -----------------------------------------------------------------
+
+    def view_match(self, wid: str, keys: tuple[Hashable, ...], now: float) -> int:
+        """Leading blocks of ``keys`` the gateway believes ``wid`` holds (events + speculation)."""
+        view, spec = self.views[wid], self.speculative[wid]
+        n = 0
+        for key in keys:
+            if key not in view and spec.get(key, -1.0) <= now:
+                break
+            n += 1
+        return n
+
+    def _make_policy(self) -> Callable[[RequestShape, float], tuple[str, str, int]]:
+        cfg = self.cfg
+        wids = sorted(self.workers)
+        if cfg.policy == "chwbl":
+            chwbl = Chwbl(wids, load_factor=cfg.chwbl_load_factor)
+
+            def route_chwbl(shape: RequestShape, now: float) -> tuple[str, str, int]:
+                key = shape.block_keys[0] if shape.block_keys else 0
+                wid = chwbl.choose(int(key), self.inflight)  # type: ignore[call-overload]
+                return wid, "cache", self.view_match(wid, shape.block_keys, now)
+
+            return route_chwbl
+        if cfg.policy == "sglang_like":
+            sglang = SglangLike(
+                wids,
+                cache_threshold=cfg.sglang_cache_threshold,
+                balance_abs=cfg.sglang_balance_abs,
+                balance_rel=cfg.sglang_balance_rel,
+                max_tree_blocks=max(cfg.sglang_max_tree_tokens // cfg.block_size, 1),
+            )
+
+            def route_sglang(shape: RequestShape, now: float) -> tuple[str, str, int]:
+                return sglang.choose(
+                    shape.block_keys, shape.prompt_tokens, cfg.block_size, self.inflight
+                )
+
+            return route_sglang
+        extra: dict[str, Any] = dict(cfg.router_options)
+        router = Router(
+            RouterConfig(
+                policy=cfg.policy,
+                balance_factor=cfg.balance_factor,
+                default_prefill_tokens_per_s=cfg.prefill_tokens_per_s,
+                seed=cfg.seed,
+                **extra,
+            )
+        )
+
+        def route_gateway(shape: RequestShape, now: float) -> tuple[str, str, int]:
+            states = [
+                self.worker_state(wid, self.view_match(wid, shape.block_keys, now), now)
+                for wid in wids
+            ]
+            decision = router.choose(
+                RouteRequest(
+                    prompt_tokens=shape.prompt_tokens,
+                    block_size=cfg.block_size,
+                    session_worker=self._session_worker(shape, now),
+                ),
+                states,
+            )
+            blocks = next(s.cached_blocks for s in states if s.worker_id == decision.worker_id)
+            return decision.worker_id, decision.reason, blocks
+
+        return route_gateway
+
+    def worker_state(self, wid: str, cached_blocks: int, now: float) -> WorkerState:
+        """The router's view of ``wid``, built the way ``gateway.dispatch`` builds it."""
+        cfg = self.cfg
+        if cfg.heartbeat_s == 0:
+            running, waiting, queued, free = self.workers[wid].live_state(now)
+        else:
+            running, waiting, queued, free = self.snapshot[wid]
+            done = len(self.finished_at[wid])  # finishes since the last heartbeat
+            running, waiting = (max(0, running - max(0, done - waiting)), max(0, waiting - done))
+            queued = queued if running + waiting else 0
+        return WorkerState(
+            worker_id=wid,
+            cached_blocks=cached_blocks,
+            running=running,
+            waiting=waiting,
+            queued_prefill_tokens=max(queued, self.pending_prefill[wid]),
+            prefill_tokens_per_s=cfg.prefill_tokens_per_s,
+            free_blocks=free,
+            num_blocks=cfg.capacity_blocks,
+            inflight=self.inflight[wid],
+        )
+
+    def _session_worker(self, shape: RequestShape, now: float) -> str | None:
+        if shape.session is None:
+            return None
+        entry = self.sessions.get(shape.session)
+        if entry is None or now - entry[1] > self.cfg.session_ttl_s:
+            return None
+        return entry[0]
+
+
+_ARRIVE, _PREFILL_DONE, _FINISH, _STORED, _REMOVED, _HEARTBEAT = range(6)
+
+
+def ideal_hit_rate(records: Iterable[RequestRecord], block_size: int) -> float:
+    """Hit rate of one unlimited cache replaying the same requests in arrival order."""
+    held: set[Hashable] = set()
+    cached = prompt = 0
+    for rec in records:
+        shape = rec.shape
+        n = 0
+        for key in shape.block_keys:
+            if key not in held:
+                break
+            n += 1
+        cached += min(n * block_size, max(shape.prompt_tokens - 1, 0))
+        prompt += shape.prompt_tokens
+        held.update(shape.block_keys)
+        held.update(shape.output_block_keys)
+    return cached / prompt if prompt else math.nan

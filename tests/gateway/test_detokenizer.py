@@ -1,0 +1,87 @@
+"""Incremental detokenization (multi-byte characters split across tokens) and stop strings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2))
+
+
+def _stream(detok: IncrementalDetokenizer, ids: list[int], sizes: list[int]) -> list[str]:
+    out, i = [], 0
+    for size in sizes:
+        if i >= len(ids):
+            break
+        out.append(detok.push(ids[i : i + size]))
+        i += size
+    if i < len(ids):
+        out.append(detok.push(ids[i:]))
+    out.append(detok.finish())
+    return out
+
+
+def test_emoji_split_over_tokens_comes_out_whole(tok: Any) -> None:
+    ids = tok.encode("ok 🙂🙂 世界", add_special_tokens=False)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # really split across tokens
+    detok = IncrementalDetokenizer(tok, tok.encode("prompt", add_special_tokens=False))
+    pieces = [detok.push([i]) for i in ids] + [detok.finish()]
+    assert "".join(pieces) == "ok 🙂🙂 世界"
+    assert not any("\ufffd" in p for p in pieces)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(min_size=1, max_size=40), sizes=st.lists(st.integers(1, 4), max_size=30))
+def test_streamed_text_equals_full_decode(tok: Any, text: str, sizes: list[int]) -> None:
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [1, 4093, 198])
+    streamed = "".join(_stream(detok, ids, sizes))
+    assert streamed == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens_are_skipped(tok: Any) -> None:
+    ids = tok.encode("Hello", add_special_tokens=False) + [2]  # <|im_end|>
+    detok = IncrementalDetokenizer(tok, [])
+    assert "".join(_stream(detok, ids, [1, 1])) == "Hello"
+
+
+def test_stop_string_across_chunks_is_cut_and_held_back(tok: Any) -> None:
+    ids = tok.encode("one two STOP three", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop=["STOP", "never"])
+    pieces = [detok.push([i]) for i in ids]
+    assert "".join(pieces) == "one two "
+    assert detok.stopped
+    assert "S" not in "".join(pieces)
+    assert detok.push(tok.encode(" more", add_special_tokens=False)) == ""
+    assert detok.finish() == ""
+    assert detok.output_text == "one two "
+
+
+def test_earliest_stop_wins_and_partial_match_is_flushed(tok: Any) -> None:
+    detok = IncrementalDetokenizer(tok, [], stop=["b c", "a"])
+    ids = tok.encode("xx b c a", add_special_tokens=False)
+    assert "".join(_stream(detok, ids, [1] * len(ids))) == "xx "
+    # A tail that only looks like the start of a stop string comes out at the end.
+    detok = IncrementalDetokenizer(tok, [], stop=["END!"])
+    ids = tok.encode("the END", add_special_tokens=False)
+    pieces = [detok.push([i]) for i in ids]
+    assert "".join(pieces) == "the "
+    assert detok.finish() == "END"
+    assert not detok.stopped
+
+
+def test_stop_at_start_gives_empty_text(tok: Any) -> None:
+    detok = IncrementalDetokenizer(tok, [], stop=["Hi"])
+    assert detok.push(tok.encode("Hi there", add_special_tokens=False)) == ""
+    assert detok.stopped and detok.output_text == ""

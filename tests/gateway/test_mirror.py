@@ -1,0 +1,154 @@
+"""IndexMirror against a real Redis: discovery, load, tail, reloads, death, outages."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from contract.events import AllBlocksCleared, BlockStored
+from contract.hashing import HashSpec
+from contract.redis_layout import RedisLayout
+from gateway.index import BlockIndex
+from gateway.mirror import IndexMirror
+from tests.gateway.fakes import FakeRegistration
+from tests.gateway.helpers import eventually, namespace
+from tests.support import RedisProcess
+
+SPEC = HashSpec(block_size=4, model="m")
+
+
+@contextlib.asynccontextmanager
+async def running(mirror: IndexMirror) -> AsyncIterator[IndexMirror]:
+    task = asyncio.create_task(mirror.run())
+    try:
+        yield mirror
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@pytest.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+def make(redis_url: str) -> tuple[IndexMirror, RedisLayout, list[str]]:
+    layout = RedisLayout(namespace())
+    dropped: list[str] = []
+    mirror = IndexMirror(redis_url, layout, BlockIndex(), poll_s=0.05, on_drop=dropped.append)
+    return mirror, layout, dropped
+
+
+async def test_loads_existing_then_tails(redis_url: str, redis_client: aioredis.Redis) -> None:
+    mirror, layout, _ = make(redis_url)
+    reg = FakeRegistration(redis_client, layout, "w1", "127.0.0.1:1", SPEC)
+    await reg.register()
+    await reg.store([10, 11, 12])
+    async with running(mirror):
+        await eventually(lambda: mirror.index.block_count("w1") == 3, what="snapshot")
+        assert mirror.workers["w1"].spec == SPEC
+        await reg.store([13])
+        await eventually(lambda: mirror.index.longest_prefix([10, 11, 12, 13]) == {"w1": 4})
+        await reg.remove([11])
+        await eventually(lambda: mirror.index.longest_prefix([10, 11, 12]) == {"w1": 1})
+        await reg.publish([AllBlocksCleared(), BlockStored((7, 8))])
+        await eventually(lambda: mirror.index.longest_prefix([7, 8]) == {"w1": 2})
+        assert mirror.index.block_count("w1") == 2
+        assert mirror.workers["w1"].seq == reg.seq - 1
+        assert 0 <= mirror.workers["w1"].event_lag_s < 5
+
+
+async def test_seq_gap_reloads_the_set(redis_url: str, redis_client: aioredis.Redis) -> None:
+    mirror, layout, _ = make(redis_url)
+    reg = FakeRegistration(redis_client, layout, "w1", "127.0.0.1:1", SPEC)
+    await reg.register()
+    await reg.store([1])
+    async with running(mirror):
+        await eventually(lambda: mirror.index.block_count("w1") == 1)
+        # A lost batch: the set has 2 and 3, but no event said so.
+        await redis_client.sadd(layout.blocks("w1"), 2, 3)
+        await reg.publish([BlockStored((4,))], seq=reg.seq + 1)
+        await eventually(lambda: mirror.index.longest_prefix([1, 2, 3, 4]) == {"w1": 4},
+                         what="reload after gap")
+
+
+async def test_new_epoch_reloads(redis_url: str, redis_client: aioredis.Redis) -> None:
+    mirror, layout, _ = make(redis_url)
+    reg = FakeRegistration(redis_client, layout, "w1", "127.0.0.1:1", SPEC)
+    await reg.register()
+    await reg.store([1, 2])
+    async with running(mirror):
+        await eventually(lambda: mirror.index.block_count("w1") == 2)
+        # The worker restarted: new epoch, fresh set, stream restarted at seq 0.
+        await redis_client.delete(layout.blocks("w1"), layout.events("w1"))
+        reg.seq = 0
+        await reg.register(epoch="epoch-2")
+        await reg.publish([AllBlocksCleared(), BlockStored((5,))], epoch="epoch-2")
+        await eventually(lambda: mirror.index.longest_prefix([5]) == {"w1": 1}
+                         and mirror.index.block_count("w1") == 1, what="epoch reload")
+        assert mirror.workers["w1"].epoch == "epoch-2"
+
+
+async def test_expired_registry_key_drops_worker(redis_url: str,
+                                                 redis_client: aioredis.Redis) -> None:
+    mirror, layout, dropped = make(redis_url)
+    regs = [FakeRegistration(redis_client, layout, w, "127.0.0.1:1", SPEC) for w in ("a", "b")]
+    for reg in regs:
+        await reg.register()
+        await reg.store([1, 2])
+    async with running(mirror):
+        await eventually(lambda: mirror.index.longest_prefix([1, 2]) == {"a": 2, "b": 2})
+        await regs[0].expire()
+        await eventually(lambda: "a" not in mirror.workers, what="drop")
+        assert dropped == ["a"]
+        assert mirror.index.longest_prefix([1, 2]) == {"b": 2}
+        assert mirror.index.workers() == ["b"]
+
+
+async def test_malformed_and_foreign_records(redis_url: str,
+                                             redis_client: aioredis.Redis) -> None:
+    mirror, layout, _ = make(redis_url)
+    await redis_client.sadd(layout.workers, "bad")
+    await redis_client.hset(layout.worker("bad"), mapping={"worker_id": "bad", "address": "x",
+                                                           "block_size": "not-a-number"})
+    other = FakeRegistration(redis_client, layout, "old", "127.0.0.1:1", SPEC)
+    other.record = other.record.__class__(**{**other.record.__dict__,
+                                             "hash_spec": {"version": "v0", "block_size": 4}})
+    await other.register()
+    async with running(mirror):
+        await eventually(lambda: "old" in mirror.workers)
+        assert "bad" not in mirror.workers
+        assert mirror.workers["old"].spec is None  # routable, but never a cache hit
+
+
+async def test_redis_outage_keeps_mirror_and_reloads(redis_process: RedisProcess) -> None:
+    mirror, layout, _ = make(redis_process.url)
+    client = aioredis.Redis.from_url(redis_process.url)
+    reg = FakeRegistration(client, layout, "w1", "127.0.0.1:1", SPEC)
+    await reg.register()
+    await reg.store([1, 2, 3])
+    async with running(mirror):
+        await eventually(lambda: mirror.index.block_count("w1") == 3 and mirror.redis_ok)
+        await client.aclose()
+        redis_process.stop(kill=True)
+        await eventually(lambda: not mirror.redis_ok, what="outage noticed")
+        assert mirror.index.longest_prefix([1, 2, 3]) == {"w1": 3}  # still serving
+        assert mirror.has_snapshot
+        redis_process.start()  # an empty Redis: the worker re-registers with what it holds now
+        client = aioredis.Redis.from_url(redis_process.url)
+        reg.client = client
+        reg.seq = 0
+        await reg.register()
+        await reg.store([1, 9])
+        await eventually(lambda: mirror.redis_ok and mirror.index.block_count("w1") == 2,
+                         timeout=10, what="reload after reconnect")
+        assert mirror.index.longest_prefix([1, 9]) == {"w1": 2}
+        assert mirror.reconnects >= 1
+    await client.aclose()

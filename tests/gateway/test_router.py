@@ -1,0 +1,155 @@
+"""Router unit tests: hand-computed predictions, bounded load, ties, every policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.router import (
+    Decision,
+    Router,
+    RouterConfig,
+    RouteRequest,
+    WorkerState,
+    worker_load,
+)
+
+BS = 16
+
+
+def req(prompt: int = 160, session: str | None = None) -> RouteRequest:
+    return RouteRequest(prompt_tokens=prompt, block_size=BS, session_worker=session)
+
+
+def test_predicted_ttft_hand_computed() -> None:
+    router = Router(RouterConfig(default_prefill_tokens_per_s=1000.0, decode_weight_s=0.01))
+    # (queued 200 + prompt 160 - cached 4*16) / rate 2000 + running 3 * 0.01
+    w = WorkerState(
+        "a", cached_blocks=4, running=3, queued_prefill_tokens=200, prefill_tokens_per_s=2000.0
+    )
+    assert router.predicted_ttft(req(160), w) == pytest.approx(296 / 2000 + 0.03)
+    # unknown rate -> default 1000; inflight counts as decode pressure when larger
+    w = WorkerState("b", cached_blocks=0, running=1, inflight=2)
+    assert router.predicted_ttft(req(160), w) == pytest.approx(160 / 1000 + 0.02)
+    # fully cached: the last token is still computed
+    w = WorkerState("c", cached_blocks=10)
+    assert router.predicted_ttft(req(160), w) == pytest.approx(1 / 1000)
+
+
+def test_longest_cache_wins_and_says_cache() -> None:
+    router = Router(RouterConfig())
+    d = router.choose(req(160), [WorkerState("a", 2), WorkerState("b", 7), WorkerState("c", 0)])
+    assert d == Decision("b", "cache", 7 * BS, ("b", "a", "c"))
+
+
+def test_queue_beats_cache_when_predicted_slower() -> None:
+    router = Router(RouterConfig(default_prefill_tokens_per_s=1000.0))
+    # a: (5000 + 160 - 128)/1000 = 5.03 s ; b: 160/1000 = 0.16 s
+    ws = [WorkerState("a", 8, queued_prefill_tokens=5000), WorkerState("b", 0)]
+    d = router.choose(req(160), ws)
+    assert (d.worker_id, d.reason, d.predicted_cached_tokens) == ("b", "load", 0)
+    assert d.ranked == ("b", "a")
+
+
+def test_bounded_load_skips_hot_worker() -> None:
+    router = Router(RouterConfig(balance_factor=1.5))
+    # loads 6,0,0 -> mean with this request 7/3, limit max(3.5, 4.33) = 4.33; a: 7 > 4.33
+    ws = [WorkerState("a", 10, running=6), WorkerState("b", 0), WorkerState("c", 1)]
+    assert router.overloaded(ws) == {"a"}
+    d = router.choose(req(320), ws)
+    assert (d.worker_id, d.reason) == ("c", "load")
+    assert d.ranked[-1] == "a"  # the skipped worker is still a last-resort retry
+
+
+def test_one_request_in_flight_keeps_affinity() -> None:
+    router = Router(RouterConfig(balance_factor=1.5))
+    # loads 1,0,0: mean 2/3, limit max(1.0, 2.67): a (2) is within the slack
+    ws = [WorkerState("a", 9, inflight=1), WorkerState("b", 0), WorkerState("c", 0)]
+    assert router.overloaded(ws) == set()
+    assert router.choose(req(160), ws).worker_id == "a"
+
+
+def test_all_overloaded_means_none_skipped() -> None:
+    router = Router(RouterConfig())
+    ws = [WorkerState("a", 0, running=5), WorkerState("b", 0, running=5)]
+    assert router.overloaded(ws) == set()
+
+
+def test_worker_load_takes_larger_of_registry_and_inflight() -> None:
+    assert worker_load(WorkerState("a", 0, running=2, waiting=1, inflight=1)) == 3
+    assert worker_load(WorkerState("a", 0, running=0, inflight=4)) == 4
+
+
+def test_session_breaks_ties_and_covers_cold_start() -> None:
+    router = Router(RouterConfig())
+    ws = [WorkerState("a", 0), WorkerState("b", 0), WorkerState("c", 0)]
+    d = router.choose(req(160, session="c"), ws)
+    assert (d.worker_id, d.reason) == ("c", "session")
+    # but a real cache advantage elsewhere beats the session
+    ws = [WorkerState("a", 8), WorkerState("b", 0), WorkerState("c", 0)]
+    assert router.choose(req(160, session="c"), ws).worker_id == "a"
+
+
+def test_cold_ties_rotate_over_the_fleet() -> None:
+    router = Router(RouterConfig())
+    ws = [WorkerState("a", 0), WorkerState("b", 0), WorkerState("c", 0)]
+    picks = [router.choose(req(), ws) for _ in range(6)]
+    assert [d.worker_id for d in picks] == ["a", "b", "c", "a", "b", "c"]
+    assert {d.reason for d in picks} == {"fallback"}
+
+
+def test_tie_goes_to_least_loaded() -> None:
+    router = Router(RouterConfig(decode_weight_s=0.0))
+    ws = [WorkerState("a", 0, waiting=2), WorkerState("b", 0, waiting=1)]
+    d = router.choose(req(), ws)
+    assert (d.worker_id, d.reason) == ("b", "load")
+
+
+def test_order_of_input_does_not_matter() -> None:
+    ws = [WorkerState("a", 3), WorkerState("b", 5), WorkerState("c", 1)]
+    d1 = Router(RouterConfig()).choose(req(), ws)
+    d2 = Router(RouterConfig()).choose(req(), list(reversed(ws)))
+    assert d1 == d2
+
+
+def test_round_robin_and_random_policies() -> None:
+    ws = [WorkerState("b", 9), WorkerState("a", 0), WorkerState("c", 0)]
+    rr = Router(RouterConfig(policy="round_robin"))
+    got = [rr.choose(req(), ws) for _ in range(4)]
+    assert [d.worker_id for d in got] == ["a", "b", "c", "a"]
+    assert got[1].ranked == ("b", "c", "a")
+    assert got[1].predicted_cached_tokens == 9 * BS
+    r1 = Router(RouterConfig(policy="random", seed=7))
+    r2 = Router(RouterConfig(policy="random", seed=7))
+    seq1 = [r1.choose(req(), ws).worker_id for _ in range(20)]
+    assert seq1 == [r2.choose(req(), ws).worker_id for _ in range(20)]
+    assert set(seq1) == {"a", "b", "c"}
+
+
+def test_least_loaded_session_and_prefix_policies() -> None:
+    ws = [
+        WorkerState("a", 9, running=3),
+        WorkerState("b", 2, running=1),
+        WorkerState("c", 9, running=2),
+    ]
+    d = Router(RouterConfig(policy="least_loaded")).choose(req(), ws)
+    assert (d.worker_id, d.reason, d.ranked) == ("b", "load", ("b", "c", "a"))
+    d = Router(RouterConfig(policy="session")).choose(req(session="a"), ws)
+    assert (d.worker_id, d.reason, d.ranked) == ("a", "session", ("a", "b", "c"))
+    d = Router(RouterConfig(policy="session")).choose(req(session="gone"), ws)
+    assert (d.worker_id, d.reason) == ("b", "load")
+    d = Router(RouterConfig(policy="prefix")).choose(req(), ws)
+    assert (d.worker_id, d.reason, d.ranked) == ("c", "cache", ("c", "a", "b"))
+
+
+def test_predicted_cached_tokens_capped_by_prompt() -> None:
+    d = Router(RouterConfig()).choose(req(40), [WorkerState("a", 5)])
+    assert d.predicted_cached_tokens == 40
+
+
+def test_bad_input_and_config() -> None:
+    with pytest.raises(ValueError):
+        Router(RouterConfig()).choose(req(), [])
+    with pytest.raises(ValueError, match="--policy"):
+        RouterConfig(policy="nope")
+    with pytest.raises(ValueError, match="--balance-factor"):
+        RouterConfig(balance_factor=0.5)

@@ -1,0 +1,95 @@
+"""ChatTokenizer and its incremental prefix cache on the real SmolLM2 and Qwen3 tokenizers.
+
+The property: however a conversation grows (or is edited), the ids from the
+incremental path equal a full re-tokenization of the rendered chat.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.prefix_tokens import PrefixTokenCache
+from gateway.tokenizer import ChatTokenizer
+from tests.models import qwen3_tokenizer_dir
+
+
+@pytest.fixture(scope="module", params=["smollm2", "qwen3"])
+def chat_tokenizer(request: pytest.FixtureRequest) -> ChatTokenizer:
+    if request.param == "smollm2":
+        folder: Path = request.getfixturevalue("smollm2")
+    else:
+        folder = qwen3_tokenizer_dir()
+    return ChatTokenizer(folder, cache_entries=64, cache_tokens=200_000)
+
+
+_PIECES = st.sampled_from([
+    "hello", " world", "\n", "\n\n", "  ", "\t", "é", "世界", "🙂", "<|im_start|>", "<|im_end|>",
+    "<think>", "</think>", "user", "assistant", "!", " 123", "ü̈", "\r\n", "<b>",
+])
+_TEXT = st.lists(st.one_of(_PIECES, st.text(max_size=6)), max_size=8).map("".join)
+_TURNS = st.lists(st.tuples(_TEXT, _TEXT), min_size=1, max_size=5)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(system=st.one_of(st.none(), _TEXT), turns=_TURNS, edit=_TEXT)
+def test_incremental_ids_equal_full_tokenization(
+    chat_tokenizer: ChatTokenizer, system: str | None, turns: list[tuple[str, str]], edit: str
+) -> None:
+    tok = chat_tokenizer
+    assert tok.prefix_cache is not None
+    messages: list[dict[str, str]] = [] if system is None else [
+        {"role": "system", "content": system}]
+    for user, answer in turns:
+        messages.append({"role": "user", "content": user})
+        full = tok.encode_text(tok.render(messages))
+        assert tok.encode_chat(messages) == full
+        messages.append({"role": "assistant", "content": answer})
+    # A regenerated answer: the same history with the last assistant message changed.
+    messages[-1] = {"role": "assistant", "content": edit}
+    messages.append({"role": "user", "content": "again"})
+    assert tok.encode_chat(messages) == tok.encode_text(tok.render(messages))
+
+
+async def test_async_path_matches_and_reuses(chat_tokenizer: ChatTokenizer) -> None:
+    tok = chat_tokenizer
+    cache = tok.prefix_cache
+    assert cache is not None
+    messages = [{"role": "user", "content": "x" * 5000}]  # long: goes to the executor
+    text = tok.render(messages)
+    assert await tok.aencode_rendered(text) == tok.encode_text(text)
+    messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    hits = cache.hits
+    text = tok.render(messages)
+    assert await tok.aencode_rendered(text) == tok.encode_text(text)
+    assert cache.hits == hits + 1
+
+
+def test_smollm2_matches_apply_chat_template(smollm2: Path) -> None:
+    tok = ChatTokenizer(smollm2)
+    messages = [{"role": "user", "content": "Hi there"}]
+    expected = tok.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert tok.encode_chat(messages) == list(expected)
+    assert tok.prefix_cache is not None and tok.prefix_cache.marker == "<|im_start|>"
+    assert tok.max_model_len > 0
+
+
+def test_prefix_cache_lru_bounds() -> None:
+    def encode(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    cache = PrefixTokenCache("#", ord("#"), max_entries=3, max_tokens=12)
+    # Each text remembers its last two #-aligned prefixes.
+    assert cache.encode("a#b#c", encode) == encode("a#b#c")
+    assert len(cache) == 2 and cache.cached_tokens == 1 + 3
+    plan = cache.plan("a#b#zz")
+    assert plan.cut == 3 and plan.prefix_ids == encode("a#b")
+    cache.encode("qqqqqqqq#r#s", encode)  # 8 + 10 tokens: over the token budget
+    assert cache.cached_tokens <= 12
+    assert len(cache) <= 3
+    assert cache.plan("nothing").cut == 0

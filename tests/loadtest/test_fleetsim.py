@@ -1,0 +1,171 @@
+"""The fleet simulator: exact time model, event lag, baselines, and a trace run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from contract.hashing import HashSpec
+from loadtest.baselines import Chwbl, SglangLike
+from loadtest.fleetsim import FleetSimulation, SimConfig, ideal_hit_rate
+from loadtest.simulate import router_options, run_policy
+from loadtest.workloads import RequestShape, TraceChains, load_trace
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = Path(__file__).resolve().parent / "data" / "mooncake_head500.jsonl"
+
+
+def shape(rid: str, t: float, keys: tuple[int, ...], prompt: int, out: int = 11) -> RequestShape:
+    return RequestShape(
+        request_id=rid, arrival_s=t, prompt_tokens=prompt, output_tokens=out, block_keys=keys
+    )
+
+
+def test_ttft_is_queue_wait_plus_uncached_prefill() -> None:
+    cfg = SimConfig(
+        workers=1,
+        block_size=100,
+        capacity_tokens=1000,
+        prefill_tokens_per_s=1000.0,
+        decode_step_s=0.1,
+        event_delay_s=0.0,
+        heartbeat_s=0.0,
+    )
+    a = shape("a", 0.0, (1, 2), 250)
+    b = shape("b", 0.5, (1, 2, 3), 320)
+    ra, rb = FleetSimulation(cfg).run([a, b])
+    assert ra.cached_tokens == 0 and ra.ttft_s == pytest.approx(0.25)
+    assert ra.finish_s == pytest.approx(0.25 + 10 * 0.1)
+    # b arrives after a's prefill: blocks 1, 2 hit, 120 tokens left.
+    assert rb.cached_tokens == 200 and rb.ttft_s == pytest.approx(0.12)
+    c = shape("c", 0.0, (1, 2), 200)
+    d = shape("d", 0.0, (1, 2), 200)
+    rc, rd = FleetSimulation(cfg).run([c, d])
+    # d queues behind c, then finds everything cached but its last token.
+    assert rc.ttft_s == pytest.approx(0.2)
+    assert rd.cached_tokens == 199 and rd.ttft_s == pytest.approx(0.2 + 0.001)
+
+
+def test_router_view_lags_by_the_event_delay() -> None:
+    cfg = SimConfig(
+        workers=2,
+        block_size=10,
+        capacity_tokens=100,
+        prefill_tokens_per_s=100.0,
+        event_delay_s=1.0,
+        speculative_ttl_s=0.0,
+        heartbeat_s=0.0,
+    )
+    sim = FleetSimulation(cfg)
+    recs = sim.run(
+        [
+            shape("a", 0.0, (1, 2), 20, out=1),
+            shape("b", 0.5, (1, 2), 20, out=1),
+            shape("c", 5.0, (1, 2), 20, out=1),
+        ]
+    )
+    assert [r.predicted_cached_tokens for r in recs] == [0, 0, 20]
+    assert recs[2].worker == recs[0].worker and recs[2].cached_tokens == 19
+
+
+def test_multi_turn_follows_after_the_previous_answer() -> None:
+    cfg = SimConfig(
+        workers=1, block_size=10, capacity_tokens=100, prefill_tokens_per_s=100.0, decode_step_s=0.5
+    )
+    t0 = shape("t0", 0.0, (1,), 10, out=3)
+    t1 = RequestShape("t1", 0.0, 25, 2, (1, 2), session="s", turn=1, after="t0", think_s=2.0)
+    r0, r1 = FleetSimulation(cfg).run([t1, t0])
+    assert r0.finish_s == pytest.approx(0.1 + 1.0)
+    assert r1.arrival_s == pytest.approx(3.1)
+
+
+def test_ideal_is_one_unlimited_cache_in_arrival_order() -> None:
+    cfg = SimConfig(workers=2, block_size=10, capacity_tokens=10, policy="round_robin")
+    recs = FleetSimulation(cfg).run(
+        [shape("a", 0, (1, 2), 25), shape("b", 1, (1, 2, 3), 35), shape("c", 2, (9,), 10)]
+    )
+    assert ideal_hit_rate(recs, 10) == pytest.approx(20 / 70)
+
+
+def test_chwbl_is_sticky_until_the_bound() -> None:
+    ring = Chwbl(["w0", "w1", "w2"], load_factor=1.25)
+    loads = {"w0": 0, "w1": 0, "w2": 0}
+    first = ring.choose(12345, loads)
+    assert ring.choose(12345, loads) == first
+    loads[first] = 2  # bound = ceil(1.25 * 3 / 3) = 2: the owner is full, the next one takes it
+    assert ring.choose(12345, loads) != first
+
+
+def test_sglang_like_threshold_and_imbalance() -> None:
+    sg = SglangLike(["w0", "w1"], cache_threshold=0.5, balance_abs=2, balance_rel=1.5)
+    loads = {"w0": 0, "w1": 0}
+    assert sg.choose([1, 2, 3, 4], 40, 10, loads) == ("w0", "fallback", 0)  # smallest tree
+    assert sg.choose([7, 8], 20, 10, loads) == ("w1", "fallback", 0)
+    assert sg.choose([1, 2, 3, 5], 40, 10, loads) == ("w0", "cache", 3)  # 75% > 50%
+    assert sg.choose([1, 9, 9, 9], 40, 10, loads)[1] == "fallback"  # 25% match only
+    assert sg.choose([1, 2, 3, 4], 40, 10, {"w0": 5, "w1": 0})[:2] == ("w1", "load")
+
+
+def test_kvroute_beats_round_robin_on_the_trace_head() -> None:
+    shapes = list(TraceChains(HashSpec(block_size=512)).shapes(load_trace(TRACE, limit=500)))
+    base = {"workers": 8, "block_size": 512, "capacity_tokens": 3_000_000}
+    kv = run_policy(SimConfig(policy="kvroute", **base), shapes, progress=False)
+    rr = run_policy(SimConfig(policy="round_robin", **base), shapes, progress=False)
+    assert kv["requests"] == rr["requests"] == 500
+    assert kv["ideal_hit_rate"] == rr["ideal_hit_rate"] > 0.1
+    assert kv["hit_rate"] > rr["hit_rate"] + 0.05
+    assert kv["load_cov"] < 0.5
+
+
+def test_cli_prints_one_json_object() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loadtest.simulate",
+            "--trace",
+            str(TRACE),
+            "--limit",
+            "200",
+            "--block-size",
+            "512",
+            "--workers",
+            "4",
+            "--capacity-tokens",
+            "3000000",
+            "--policy",
+            "chwbl",
+            "--json",
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    result = json.loads(out.stdout)
+    for key in (
+        "policy",
+        "requests",
+        "hit_rate",
+        "ideal_hit_rate",
+        "load_cov",
+        "ttft_p50_s",
+        "ttft_p99_s",
+    ):
+        assert key in result
+    assert result["policy"] == "chwbl" and result["requests"] == 200
+
+
+def test_router_options_are_typed_and_checked() -> None:
+    assert router_options(["balance_factor=2.5", "decode-weight-s=0"]) == (
+        ("balance_factor", 2.5),
+        ("decode_weight_s", 0.0),
+    )
+    with pytest.raises(ValueError, match="--router"):
+        router_options(["no_such_knob=1"])

@@ -1,0 +1,222 @@
+"""Paged attention: the per-step plan built from a batch of chunks, and the per-layer kernel.
+
+A step's chunks are flattened into one token batch (so every linear layer
+runs once per step). Attention is then done per group:
+
+- a *cold* prefill chunk (``start_pos == 0``) attends over its own fresh K/V
+  with a plain causal mask, exactly as a dense model would;
+- a prefill chunk with earlier context gathers that context from the cache
+  through its block table and uses a bottom-right-aligned causal mask
+  (query i at absolute position ``start_pos + i`` sees keys ``0..start_pos + i``);
+- all single-token (decode) chunks are batched into one padded call, each row
+  masked to its own context length.
+
+Everything that depends only on the chunks (slots, masks, block-table tensors)
+is built once per step here, not once per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+
+
+class Chunk(Protocol):
+    """What the runner needs from ``worker.batch.SeqChunk``."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    need_logits: bool
+
+
+@dataclass
+class PrefillGroup:
+    rows: slice
+    ctx_len: int
+    block_ids: torch.Tensor | None  # None: no earlier context, attend the chunk's own K/V
+    mask: torch.Tensor | None  # [n, ctx_len] bool, bottom-right causal
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [B] rows of the token batch
+    all_rows: bool  # rows == arange(num_tokens): skip the gather and scatter
+    block_table: torch.Tensor  # [B, max_blocks], padded with block 0
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
+
+
+@dataclass
+class StepPlan:
+    num_tokens: int
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] flat cache slot of each token
+    logits_rows: torch.Tensor  # [L] last row of each chunk that needs logits
+    prefill: list[PrefillGroup]
+    decode: DecodeGroup | None
+
+
+def _check_chunk(chunk: Chunk, block_size: int, max_model_len: int) -> None:
+    n = len(chunk.token_ids)
+    end = chunk.start_pos + n
+    if n == 0:
+        raise ValueError("chunk has no tokens")
+    if chunk.start_pos < 0 or end > max_model_len:
+        raise ValueError(f"chunk positions [{chunk.start_pos}, {end}) exceed {max_model_len}")
+    if len(chunk.block_table) * block_size < end:
+        raise ValueError(
+            f"block table of {len(chunk.block_table)} blocks cannot hold {end} positions"
+        )
+
+
+def build_plan(
+    chunks: Sequence[Chunk], block_size: int, max_model_len: int, device: torch.device
+) -> StepPlan:
+    """Flattens chunks into one token batch and precomputes slots, masks and groups."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_rows: list[int] = []
+    prefill: list[PrefillGroup] = []
+    decode_rows: list[int] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
+    row = 0
+    for chunk in chunks:
+        _check_chunk(chunk, block_size, max_model_len)
+        n = len(chunk.token_ids)
+        start = chunk.start_pos
+        table = chunk.block_table
+        input_ids.extend(chunk.token_ids)
+        positions.extend(range(start, start + n))
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        if n == 1:
+            decode_rows.append(row)
+            decode_tables.append(chunk.block_table)
+            decode_lens.append(start + 1)
+        elif start == 0:
+            prefill.append(PrefillGroup(slice(row, row + n), n, None, None))
+        else:
+            ctx = start + n
+            block_ids = torch.tensor(table[: -(-ctx // block_size)], dtype=torch.long)
+            mask = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
+            prefill.append(
+                PrefillGroup(slice(row, row + n), ctx, block_ids.to(device), mask.to(device))
+            )
+        row += n
+        if chunk.need_logits:
+            logits_rows.append(row - 1)
+    decode = None
+    if decode_rows:
+        max_blocks = max(-(-length // block_size) for length in decode_lens)
+        padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in decode_tables]
+        keys = torch.arange(max_blocks * block_size)
+        mask = keys[None, :] < torch.tensor(decode_lens)[:, None]
+        decode = DecodeGroup(
+            rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
+            all_rows=len(decode_rows) == row,
+            block_table=torch.tensor(padded, dtype=torch.long, device=device),
+            mask=mask[:, None, None, :].to(device),
+        )
+    return StepPlan(
+        num_tokens=row,
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slots=torch.tensor(slots, dtype=torch.long, device=device),
+        logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
+        prefill=prefill,
+        decode=decode,
+    )
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Stores K/V [T, kv_heads, head_dim] into their slots of the paged caches."""
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    if k_cache.dtype == FP8:
+        # A plain cast past +-448 would give NaN; saturate instead. CPU kernels
+        # cannot index fp8 tensors, so the bytes are moved as uint8.
+        limit = torch.finfo(FP8).max
+        k = k.clamp(-limit, limit).to(FP8).view(torch.uint8)
+        v = v.clamp(-limit, limit).to(FP8).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: StepPlan,
+) -> torch.Tensor:
+    """Attention output [T, heads, head_dim] for q [T, heads, head_dim].
+
+    k and v are this step's fresh keys and values, already written to the
+    caches; cold prefill chunks use them directly, all others read the cache.
+    """
+    single = len(plan.prefill) + (plan.decode is not None) == 1
+    out = None if single else torch.empty_like(q)
+    for group in plan.prefill:
+        qg = q[group.rows].transpose(0, 1).unsqueeze(0)
+        if group.block_ids is None:
+            kg = k[group.rows].transpose(0, 1).unsqueeze(0)
+            vg = v[group.rows].transpose(0, 1).unsqueeze(0)
+            og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
+        else:
+            kg = _gather(k_cache, group.block_ids, q.dtype)[: group.ctx_len]
+            vg = _gather(v_cache, group.block_ids, q.dtype)[: group.ctx_len]
+            og = F.scaled_dot_product_attention(
+                qg,
+                kg.transpose(0, 1).unsqueeze(0),
+                vg.transpose(0, 1).unsqueeze(0),
+                attn_mask=group.mask,
+                enable_gqa=True,
+            )
+        result = og[0].transpose(0, 1)
+        if out is None:
+            return result
+        out[group.rows] = result
+    decode = plan.decode
+    if decode is None:
+        assert out is not None  # a plan always has at least one group
+        return out
+    qd = q if decode.all_rows else q.index_select(0, decode.rows)
+    kd = _gather(k_cache, decode.block_table, q.dtype)
+    vd = _gather(v_cache, decode.block_table, q.dtype)
+    od = F.scaled_dot_product_attention(
+        qd.unsqueeze(2),
+        kd.transpose(1, 2),
+        vd.transpose(1, 2),
+        attn_mask=decode.mask,
+        enable_gqa=True,
+    ).squeeze(2)
+    if out is None:
+        return od
+    out.index_copy_(0, decode.rows, od)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache blocks by id, upcast to the compute dtype: [..., n * block_size, heads, dim].
+
+    ``index_select`` on flat ids, because advanced indexing with a 2-D index
+    is many times slower on CPU.
+    """
+    source = cache.view(torch.uint8) if cache.dtype == FP8 else cache
+    blocks = source.index_select(0, block_ids.flatten())
+    if cache.dtype == FP8:
+        blocks = blocks.view(FP8)
+    if blocks.dtype != dtype:
+        blocks = blocks.to(dtype)
+    return blocks.view(*block_ids.shape[:-1], -1, *cache.shape[2:])

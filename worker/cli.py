@@ -1,0 +1,184 @@
+"""``kvroute worker``: builds the engine, servers and publisher from flags, runs until signalled.
+
+Startup: resolve the model folder → model runner → engine thread → (pinned
+system prompt) → gRPC server → HTTP front → Redis publisher. Redis being
+unreachable does not stop the worker from serving; the publisher keeps
+retrying. SIGTERM/SIGINT stop it gracefully: deregister from Redis first (so
+gateways stop routing here), then drain the servers, then stop the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from contract.hashing import HashSpec
+from contract.redis_layout import WorkerRecord
+from worker.config import WorkerConfig, config_from_args
+
+logger = logging.getLogger(__name__)
+
+GRPC_GRACE_S = 5.0
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def system_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """The token ids a chat request with this system prompt starts with.
+
+    Rendered through the chat template as a lone system message, so the pinned
+    blocks are the ones real chat requests reuse; templates without a system
+    role fall back to the raw text.
+    """
+    try:
+        rendered = tokenizer.apply_chat_template([{"role": "system", "content": text}],
+                                                 tokenize=False, add_generation_prompt=False)
+    except Exception as exc:  # a template may raise anything for an unsupported role
+        logger.warning("chat template cannot render a system message (%s); pinning raw text",
+                       exc)
+        return list(tokenizer.encode(text, add_special_tokens=True))
+    return list(tokenizer.encode(str(rendered), add_special_tokens=False))
+
+
+class WorkerProcess:
+    """The running pieces of one worker, so they can be stopped in order."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.engine: Any = None
+        self.publisher: Any = None
+        self.grpc_server: Any = None
+        self.http_runner: Any = None
+        self.grpc_port = 0
+        self.http_port = 0
+
+    async def start(self) -> None:
+        """Loads the model and starts every component; raises if a port cannot be bound."""
+        from worker.engine import Engine, EngineConfig
+        from worker.grpc_server import WorkerService, start_grpc_server
+        from worker.metrics import WorkerMetrics
+        from worker.model_runner import ModelRunner
+        from worker.model_store import resolve_model
+        from worker.publisher import EventQueue, Publisher, PublisherConfig
+
+        cfg = self.config
+        model_dir = await asyncio.to_thread(resolve_model, cfg.model)
+        runner = await asyncio.to_thread(
+            ModelRunner, model_dir, device=cfg.device, dtype=cfg.dtype,
+            block_size=cfg.block_size, num_blocks=cfg.num_blocks,
+            memory_fraction=cfg.memory_fraction, kv_cache_dtype=cfg.kv_cache_dtype)
+        spec = HashSpec(block_size=cfg.block_size, model=cfg.served_model_name)
+        events = EventQueue()
+        self.engine = Engine(runner, EngineConfig(max_num_seqs=cfg.max_num_seqs,
+                                                  max_batch_tokens=cfg.max_batch_tokens),
+                             hash_spec=spec, on_events=events.put)
+        self.engine.start()
+        metrics = WorkerMetrics(self.engine, cfg.worker_id)
+        self.publisher = Publisher(
+            self.engine, events,
+            PublisherConfig(redis_url=cfg.redis_url, worker_id=cfg.worker_id,
+                            namespace=cfg.redis_namespace,
+                            heartbeat_interval=cfg.heartbeat_interval,
+                            heartbeat_ttl=cfg.heartbeat_ttl),
+            WorkerRecord(worker_id=cfg.worker_id, address="", model=cfg.served_model_name,
+                         hash_spec=spec.describe(), block_size=cfg.block_size,
+                         num_blocks=self.engine.num_blocks,
+                         max_model_len=self.engine.max_model_len))
+
+        tokenizer = None
+        if cfg.http_port or cfg.pin_system_prompt is not None:
+            from transformers import AutoTokenizer
+
+            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_dir))
+        if cfg.pin_system_prompt is not None:
+            await self._pin(tokenizer, cfg.pin_system_prompt)
+
+        service = WorkerService(self.engine, worker_id=cfg.worker_id, hash_spec=spec,
+                                epoch=self.publisher.epoch)
+        self.grpc_server, self.grpc_port = await start_grpc_server(
+            service, cfg.host, cfg.grpc_port, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
+        http_address = ""
+        if cfg.http_port:
+            from worker.http_server import create_app, start_http_server
+
+            app = create_app(self.engine, tokenizer, model_name=cfg.served_model_name,
+                             worker_id=cfg.worker_id, metrics=metrics)
+            self.http_runner, self.http_port = await start_http_server(app, cfg.host,
+                                                                       cfg.http_port)
+            http_address = _host_port(cfg.advertised_host, self.http_port)
+        self.publisher.update_record(address=_host_port(cfg.advertised_host, self.grpc_port),
+                                     http_address=http_address)
+        await self.publisher.start()
+        logger.info("worker %s serving %s (%d blocks of %d tokens): grpc_port=%d http_port=%d",
+                    cfg.worker_id, cfg.served_model_name, self.engine.num_blocks,
+                    cfg.block_size, self.grpc_port, self.http_port)
+
+    async def _pin(self, tokenizer: Any, path: Path) -> None:
+        text = path.read_text(encoding="utf-8")
+        ids = system_prompt_ids(tokenizer, text)
+        pinned = await asyncio.to_thread(self.engine.pin_prefix, ids)
+        logger.info("pinned %d blocks of the system prompt in %s", pinned, path)
+
+    async def stop(self) -> None:
+        """Deregisters, drains the servers, stops the engine; safe after a partial start."""
+        if self.publisher is not None:
+            await self.publisher.stop(deregister=True)
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(GRPC_GRACE_S)
+        if self.http_runner is not None:
+            await self.http_runner.cleanup()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+        logger.info("worker %s stopped", self.config.worker_id)
+
+
+async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None:
+    """Runs a worker until ``stop`` is set or SIGTERM/SIGINT arrives."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread, or Windows
+            logger.debug("cannot install a handler for %s", sig)
+    worker = WorkerProcess(config)
+    try:
+        await worker.start()
+        await stop.wait()
+        logger.info("worker %s stopping", config.worker_id)
+    finally:
+        await worker.stop()
+
+
+def _run(coro: Any) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvroute worker [flags]``; returns the process exit code."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as exc:
+        logger.error("kvroute worker: %s", exc)
+        return 2
+    logging.getLogger().setLevel(config.log_level)
+    try:
+        _run(serve(config))
+    except (OSError, ValueError, FileNotFoundError) as exc:
+        logger.error("kvroute worker %s failed to start: %s", config.worker_id, exc)
+        return 1
+    return 0

@@ -1,0 +1,557 @@
+"""The engine: a thread that runs the step loop, and the asyncio API around it.
+
+One step is ``scheduler.schedule`` → ``runner.execute`` → ``sampler.sample``
+→ ``scheduler.postprocess``. The engine thread owns every sequence, the block
+pool and the scheduler; other threads reach them only through the command
+queue (``generate``, ``abort``, ``pin_prefix``...) or under ``_lock`` for
+read-only snapshots (``stats``, ``resident_block_hashes``). The lock is not
+held while the model runs, so snapshots never wait for a forward pass.
+
+Outputs go back to each request's ``asyncio.Queue`` with
+``loop.call_soon_threadsafe``; the engine never waits on a consumer.
+
+Hooks, all called on the engine thread and required not to block:
+
+- ``on_events(events)``: once per step (or command) that changed the cache,
+  with that step's ``contract.events``, while ``_lock`` is held, so a
+  ``resident_block_hashes()`` snapshot always equals "all events delivered
+  so far" applied in order.
+- ``on_request_finished(output, timings)``: once per finished request (any
+  reason), with its ``RequestTimings`` (queue time, TTFT, every
+  inter-token latency, end to end). Register more with
+  ``add_finished_listener``. Exceptions in hooks are logged, never raised.
+
+The engine works with any runner that has ``execute``, ``num_blocks``,
+``block_size``, ``vocab_size``, ``max_model_len``, ``eos_token_ids`` and
+``model_name`` (the unit tests use a fake one); torch is imported only by the
+default sampler and for seeded requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from contract.events import KVEvent
+from contract.hashing import HashSpec
+from worker.batch import Batch
+from worker.block_pool import BlockPool
+from worker.scheduler import Scheduler, SchedulerConfig
+from worker.sequence import RequestTimings, SamplingParams
+from worker.sequence import Sequence as Seq
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput", "RequestTimings"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits (the model runner decides block size and pool size)."""
+
+    max_num_seqs: int = 64
+    max_batch_tokens: int = 2048
+    max_model_len: int | None = None  # None = the model's (capped by the pool)
+    enable_prefix_caching: bool = True
+    rate_ema_alpha: float = 0.2  # weight of the newest step in the tokens/s averages
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"--max-batch-tokens must be at least 1, got {self.max_batch_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if not 0.0 < self.rate_ema_alpha <= 1.0:
+            raise ValueError(f"rate_ema_alpha must be in (0, 1], got {self.rate_ema_alpha}")
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for one request; the last one has ``finished=True``."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from cached full blocks
+    completion_tokens: int
+    ttft_s: float | None  # engine-side, set from the first token on
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine (gauges, measured rates, and monotonic totals)."""
+
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+    num_blocks: int
+    free_blocks: int
+    used_blocks: int
+    cached_blocks: int
+    pinned_blocks: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    prompt_tokens_total: int
+    cached_prompt_tokens_total: int
+    generation_tokens_total: int
+    evictions_total: int
+    preemptions_total: int
+    requests_total: int
+
+
+class RateMeter:
+    """Exponential moving averages of prefill and decode throughput over recent steps.
+
+    A step with prefill tokens samples the prefill rate as *all* its tokens
+    over its time (decode tokens ride along at about the same cost per
+    token), which is what predicts how fast queued prefill drains. A step
+    with decode tokens samples the decode rate as its decode tokens over its
+    time: the generation throughput actually delivered.
+    """
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.prefill = 0.0
+        self.decode = 0.0
+
+    def update(self, prefill_tokens: int, decode_tokens: int, elapsed_s: float) -> None:
+        if elapsed_s <= 0:
+            return
+        if prefill_tokens:
+            self.prefill = self._mix(self.prefill, (prefill_tokens + decode_tokens) / elapsed_s)
+        if decode_tokens:
+            self.decode = self._mix(self.decode, decode_tokens / elapsed_s)
+
+    def _mix(self, old: float, sample: float) -> float:
+        return sample if old == 0.0 else self.alpha * sample + (1.0 - self.alpha) * old
+
+
+FinishedHook = Callable[[RequestOutput, RequestTimings], None]
+_Command = Callable[[], None]
+
+
+class EngineError(RuntimeError):
+    """The engine could not run a request's step (the runner or sampler failed)."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class Engine:
+    """Continuous-batching, prefix-caching inference over one model runner."""
+
+    def __init__(
+        self,
+        runner: Any,
+        config: EngineConfig,
+        *,
+        hash_spec: HashSpec,
+        on_events: Callable[[list[KVEvent]], None] | None = None,
+        on_request_finished: FinishedHook | None = None,
+        sampler: Any = None,
+    ) -> None:
+        if hash_spec.block_size != runner.block_size:
+            raise ValueError(
+                f"--block-size: hash spec uses {hash_spec.block_size}, "
+                f"the model runner {runner.block_size}"
+            )
+        if config.max_model_len is not None and config.max_model_len > runner.max_model_len:
+            raise ValueError(
+                f"--max-model-len {config.max_model_len} exceeds the model's {runner.max_model_len}"
+            )
+        self.runner = runner
+        self.config = config
+        self.hash_spec = hash_spec
+        self.block_size: int = runner.block_size
+        self.num_blocks: int = runner.num_blocks
+        self.vocab_size: int = runner.vocab_size
+        self.model_name: str = runner.model_name
+        self.eos_token_ids: tuple[int, ...] = tuple(runner.eos_token_ids)
+        # A sequence must fit the pool on its own, or it could never be admitted.
+        self.max_model_len: int = min(
+            config.max_model_len or runner.max_model_len, self.num_blocks * self.block_size
+        )
+        if sampler is None:
+            from worker.sampler import Sampler
+
+            sampler = Sampler()
+        self.sampler = sampler
+        self.pool = BlockPool(
+            self.num_blocks, self.block_size, enable_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_batch_tokens=config.max_batch_tokens,
+                max_model_len=self.max_model_len,
+                eos_token_ids=self.eos_token_ids,
+            ),
+            self.pool,
+        )
+        self._on_events = on_events
+        self._finished_hooks: list[FinishedHook] = (
+            [on_request_finished] if on_request_finished else []
+        )
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # engine state vs. snapshot readers
+        self._streams_lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._pin_results: dict[str, concurrent.futures.Future[int]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._rates = RateMeter(config.rate_ema_alpha)
+        self._counters = dict.fromkeys(("prompt", "cached", "generation", "requests"), 0)
+
+    # -- lifecycle -------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the engine thread (once)."""
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stops the thread after its current step and finishes every request with ``abort``."""
+        if self._thread is None or self._stopped:
+            self._stopped = True
+            return
+        self._stopped = True
+        self._commands.put(None)
+        self._thread.join()
+        with self._lock:
+            for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                self.scheduler.abort(seq.request_id)
+                self._emit(seq, [])
+            self._flush_events()
+
+    def add_finished_listener(self, hook: FinishedHook) -> None:
+        """Adds an ``on_request_finished`` hook (e.g. metrics attached after construction)."""
+        self._finished_hooks.append(hook)
+
+    # -- requests --------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str = "",
+        lora: str = "",
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams a request's outputs, one per step that gave it tokens, the last ``finished``.
+
+        Raises ``ValueError`` for bad input before anything is queued.
+        Closing or cancelling the iterator aborts the request and frees its
+        blocks. Stop tokens (EOS, ``stop_token_ids``) are included in the
+        output, as Hugging Face ``generate`` does.
+        """
+        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt, lora)
+        self._check_running()
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._streams[request_id] = stream
+        finished = False
+        try:
+            self._submit(lambda: self.scheduler.add(seq))
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            if not finished and not self._stopped:
+                self._submit(lambda: self._abort(request_id))
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts an in-flight request; ``False`` if no stream with that id is open."""
+        with self._streams_lock:
+            found = request_id in self._streams
+        if found and not self._stopped:
+            self._submit(lambda: self._abort(request_id))
+        return found
+
+    def pin_prefix(
+        self, token_ids: list[int], cache_salt: str = "", *, timeout: float | None = None
+    ) -> int:
+        """Computes ``token_ids`` (unless cached) and pins their full blocks; returns how many.
+
+        Pinned blocks are never evicted (e.g. a system prompt every request
+        shares). Blocks the calling thread until done: call it from a plain
+        thread or ``asyncio.to_thread``, never from the engine's own hooks.
+        """
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        seq = self._new_sequence(f"pin-{uuid.uuid4().hex}", token_ids, params, cache_salt, "")
+        if seq.num_prompt_tokens < self.block_size:
+            return 0
+        seq.internal = True
+        result: concurrent.futures.Future[int] = concurrent.futures.Future()
+
+        def add() -> None:
+            self._pin_results[seq.request_id] = result
+            self.scheduler.add(seq)
+
+        self._submit(add)
+        return result.result(timeout)
+
+    def unpin_prefix(
+        self, token_ids: list[int], cache_salt: str = "", *, timeout: float | None = None
+    ) -> int:
+        """Releases one pin on each block of a pinned prefix; returns how many were released."""
+        probe = Seq("unpin", list(token_ids), SamplingParams(), self._spec(cache_salt, ""))
+        return self._call(
+            lambda: self.pool.unpin(self.pool.match_prefix(probe.block_hashes, probe.token_ids)),
+            timeout,
+        )
+
+    def reset_prefix_cache(self, *, timeout: float | None = None) -> bool:
+        """Forgets every cached block (``AllBlocksCleared``); ``False`` while blocks are in use."""
+        return self._call(self.pool.reset, timeout)
+
+    # -- snapshots (any thread) ------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """A consistent snapshot of load, block usage, rates and totals."""
+        with self._lock:
+            sched, pool, c = self.scheduler, self.pool, self._counters
+            return EngineStats(
+                running=len(sched.running),
+                waiting=len(sched.waiting),
+                queued_prefill_tokens=sched.queued_prefill_tokens,
+                num_blocks=pool.num_blocks,
+                free_blocks=pool.num_free_blocks,
+                used_blocks=pool.num_used_blocks,
+                cached_blocks=pool.num_cached_blocks,
+                pinned_blocks=pool.num_pinned_blocks,
+                prefill_tokens_per_s=self._rates.prefill,
+                decode_tokens_per_s=self._rates.decode,
+                prompt_tokens_total=c["prompt"],
+                cached_prompt_tokens_total=c["cached"],
+                generation_tokens_total=c["generation"],
+                evictions_total=pool.evictions_total,
+                preemptions_total=sched.preemptions_total,
+                requests_total=c["requests"],
+            )
+
+    def resident_block_hashes(self) -> set[int]:
+        """Every block hash the pool holds now (consistent with the events delivered so far)."""
+        with self._lock:
+            return self.pool.resident_hashes()
+
+    # -- engine thread ---------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            if not self._drain_commands(block=not self.scheduler.has_work()):
+                return
+            try:
+                self._step()
+            except Exception as exc:  # a bug must fail requests, not hang them forever
+                logger.exception("engine step failed")
+                self._fail(list(self.scheduler.running), exc)
+
+    def _drain_commands(self, *, block: bool) -> bool:
+        """Runs queued commands; ``False`` on shutdown. Waits for one only when idle."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        with self._lock:
+            while command is not None:
+                try:
+                    command()
+                except Exception:
+                    logger.exception("engine command failed")
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+            self._flush_events()
+        return command is not None
+
+    def _step(self) -> None:
+        with self._lock:
+            batch = self.scheduler.schedule()
+            for seq in self.scheduler.take_dropped():
+                self._emit(seq, [])
+            if not batch:
+                self._flush_events()
+                return
+        started = time.perf_counter()
+        try:
+            logits = self.runner.execute(batch.chunks)
+            tokens = self._sample(logits, batch)
+        except Exception as exc:
+            logger.exception("model step failed for %d sequences", len(batch.seqs))
+            self._fail(batch.seqs, exc)
+            return
+        elapsed = time.perf_counter() - started
+        now = time.monotonic()
+        with self._lock:
+            for seq in self.scheduler.postprocess(batch, tokens, now):
+                self._emit(seq, [seq.token_ids[-1]])
+            self._rates.update(batch.num_prefill_tokens, batch.num_decode_tokens, elapsed)
+            self._flush_events()
+
+    def _sample(self, logits: Any, batch: Batch) -> list[int]:
+        seqs = batch.sampled_seqs()
+        if not seqs:
+            return []
+        for seq in seqs:
+            if seq.params.seed is not None and seq.generator is None:
+                from worker.sampler import new_generator
+
+                seq.generator = new_generator(seq.params.seed, logits.device)
+        return list(
+            self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        )
+
+    def _abort(self, request_id: str) -> None:
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self._emit(seq, [])
+
+    def _fail(self, seqs: Sequence[Seq], exc: Exception) -> None:
+        with self._lock:
+            for seq in seqs:
+                if self.scheduler.abort(seq.request_id) is None:
+                    continue
+                self._emit(seq, [], error=EngineError(f"engine step failed: {exc}"))
+            self._flush_events()
+
+    def _emit(self, seq: Seq, new_tokens: list[int], error: BaseException | None = None) -> None:
+        """Counts and delivers one output of ``seq`` (called with ``_lock`` held)."""
+        first = len(seq.token_times) == len(new_tokens)
+        if not seq.internal:
+            if first and seq.num_cached_tokens is not None:
+                self._counters["prompt"] += seq.num_prompt_tokens
+                self._counters["cached"] += seq.num_cached_tokens
+            self._counters["generation"] += len(new_tokens)
+            if seq.is_finished:
+                self._counters["requests"] += 1
+        output = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_tokens,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_tokens=seq.num_cached_tokens or 0,
+            completion_tokens=seq.num_completion_tokens,
+            ttft_s=seq.token_times[0] - seq.arrival_time if seq.token_times else None,
+        )
+        if seq.internal:
+            if seq.is_finished:
+                self._finish_pin(seq)
+            return
+        self._deliver(seq.request_id, error if error is not None else output)
+        if seq.is_finished:
+            timings = seq.timings(time.monotonic())
+            for hook in self._finished_hooks:
+                try:
+                    hook(output, timings)
+                except Exception:
+                    logger.exception("on_request_finished hook failed")
+
+    def _finish_pin(self, seq: Seq) -> None:
+        result = self._pin_results.pop(seq.request_id)
+        if seq.finish_reason == "abort":
+            result.set_exception(EngineError("pin_prefix: the prefix could not be computed"))
+            return
+        n_full = seq.num_prompt_tokens // self.block_size
+        hits = self.pool.match_prefix(seq.block_hashes[:n_full], seq.prompt_token_ids)
+        self.pool.pin(hits)
+        result.set_result(len(hits))
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            logger.debug("dropping output for %s: event loop closed", request_id)
+
+    def _flush_events(self) -> None:
+        events = self.pool.take_events()
+        if events and self._on_events is not None:
+            try:
+                self._on_events(events)
+            except Exception:
+                logger.exception("on_events hook failed; %d events lost", len(events))
+
+    # -- helpers (any thread) --------------------------------------------
+
+    def _check_running(self) -> None:
+        if self._thread is None or self._stopped:
+            raise RuntimeError("the engine is not running (call start())")
+
+    def _submit(self, command: _Command) -> None:
+        self._check_running()
+        self._commands.put(command)
+
+    def _call(self, fn: Callable[[], Any], timeout: float | None) -> Any:
+        """Runs ``fn`` on the engine thread and returns its result."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def command() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
+        self._submit(command)
+        return future.result(timeout)
+
+    def _spec(self, cache_salt: str, lora: str) -> HashSpec:
+        return self.hash_spec.with_salt(cache_salt).with_lora(lora)
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str,
+        lora: str,
+    ) -> Seq:
+        """Validates a request (``ValueError``) and builds its sequence."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        for token_id in prompt:
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise ValueError(f"prompt token ids must be integers, got {token_id!r}")
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"prompt token id {token_id} is outside the vocabulary (size {self.vocab_size})"
+                )
+        params.validate(self.vocab_size)
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        return Seq(request_id, prompt, params, self._spec(cache_salt, lora))

@@ -1,0 +1,153 @@
+"""The worker's gRPC service (``kvroute.v1.Worker``): token ids in, token ids out.
+
+The gateway owns tokenization, so ``Generate`` takes prompt token ids and
+streams generated ids back; the final chunk carries usage (prompt, completion
+and cached tokens), ``finish_reason``, the engine-side TTFT and the worker id.
+Bad input answers ``INVALID_ARGUMENT`` and leaves the engine untouched; a
+client that cancels the call aborts the request, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from contract import worker_pb2 as pb
+from contract import worker_pb2_grpc
+from contract.hashing import HashSpec
+from worker.sequence import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def sampling_from_proto(msg: pb.SamplingParams, prompt_len: int,
+                        max_model_len: int) -> SamplingParams:
+    """Maps the wire message to ``SamplingParams`` (proto3 zeros mean "not set").
+
+    ``max_tokens`` 0 means "up to the context length"; ``top_p`` 0 means off.
+    """
+    max_tokens = msg.max_tokens or max(1, max_model_len - prompt_len)
+    return SamplingParams(
+        max_tokens=int(max_tokens),
+        temperature=float(msg.temperature),
+        top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
+        top_k=int(msg.top_k),
+        seed=int(msg.seed) if msg.HasField("seed") else None,
+        stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
+        ignore_eos=bool(msg.ignore_eos),
+    )
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    """Serves one engine over gRPC."""
+
+    def __init__(self, engine: Any, *, worker_id: str, hash_spec: HashSpec,
+                 epoch: str = "") -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.hash_spec = hash_spec
+        self.epoch = epoch
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        request_id = request.request_id or uuid.uuid4().hex
+        prompt = list(request.prompt_token_ids)
+        try:
+            params = sampling_from_proto(request.sampling, len(prompt), self.engine.max_model_len)
+            params.validate(self.engine.vocab_size)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
+        stream: Any = None
+        finished = started = False
+        try:
+            stream = self.engine.generate(request_id, prompt, params,
+                                          cache_salt=request.cache_salt, lora=request.lora_name)
+            async for out in stream:
+                started = True
+                chunk = pb.GenerateResponse(token_ids=out.new_token_ids, finished=out.finished,
+                                            worker_id=self.worker_id)
+                if out.finished:
+                    finished = True
+                    chunk.finish_reason = out.finish_reason or "stop"
+                    chunk.usage.prompt_tokens = out.prompt_tokens
+                    chunk.usage.completion_tokens = out.completion_tokens
+                    chunk.usage.cached_tokens = out.cached_tokens
+                    chunk.ttft_s = out.ttft_s or 0.0
+                yield chunk
+                if finished:
+                    return
+        except ValueError as exc:
+            if started:
+                raise
+            logger.info("request %s rejected: %s", request_id, exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            # Cancellation (client gone, deadline) lands here: free the blocks now.
+            if not finished:
+                if stream is not None:
+                    await _close(stream)
+                self.engine.abort(request_id)
+
+    async def Abort(self, request: pb.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        return pb.AbortResponse(found=bool(self.engine.abort(request.request_id)))
+
+    async def Info(self, request: pb.InfoRequest,
+                   context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        spec = self.hash_spec
+        stats = self.engine.stats()
+        return pb.InfoResponse(
+            worker_id=self.worker_id,
+            model=spec.model,
+            hash_spec=pb.HashSpecInfo(block_size=spec.block_size, model=spec.model,
+                                      revision=spec.revision, lora=spec.lora),
+            block_size=spec.block_size,
+            num_blocks=int(stats.num_blocks),
+            max_model_len=int(self.engine.max_model_len),
+            epoch=self.epoch,
+        )
+
+    async def Health(self, request: pb.HealthRequest,
+                     context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        stats = self.engine.stats()
+        return pb.HealthResponse(serving=True, running=int(stats.running),
+                                 waiting=int(stats.waiting), free_blocks=int(stats.free_blocks))
+
+
+async def _close(stream: Any) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is None:
+        return
+    try:
+        await asyncio.shield(aclose())
+    except (RuntimeError, ValueError, asyncio.CancelledError) as exc:
+        logger.debug("closing a generate stream: %r", exc)
+
+
+async def start_grpc_server(service: WorkerService, host: str, port: int, *,
+                            tls_cert: Path | None = None,
+                            tls_key: Path | None = None) -> tuple[grpc.aio.Server, int]:
+    """Starts a ``grpc.aio`` server for ``service``; returns it and the bound port."""
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ])
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if tls_cert is not None and tls_key is not None:
+        creds = grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())])
+        bound = server.add_secure_port(address, creds)
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"--grpc-port: cannot bind {address}")
+    await server.start()
+    return server, bound

@@ -1,0 +1,207 @@
+"""ModelRunner: owns the weights and the paged KV cache, and runs one step of chunks.
+
+The runner knows nothing about sequences or scheduling: each step it gets
+``SeqChunk``s (tokens, their absolute start position, the block table that
+covers them), writes their K/V into the cache slots the block table names,
+and returns float32 logits for the chunks that asked for them. A prompt whose
+prefix is already in the cache therefore computes only its suffix.
+
+KV tensors are ``[num_blocks, block_size, kv_heads, head_dim]`` per layer, for
+K and for V; with ``kv_cache_dtype="fp8"`` they are stored as
+``float8_e4m3fn`` (saturating cast, no scale) and upcast on read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention import Chunk, build_plan, paged_attention, write_kv
+from worker.llama import ModelSpec, apply_rope, load_weights, mlp, read_model_spec, rms_norm, rope_tables
+from worker.model_store import resolve_model
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", "fp8")
+DEFAULT_CPU_MEMORY_FRACTION = 0.1
+DEFAULT_CUDA_MEMORY_FRACTION = 0.9
+# On CPU the KV cache competes with everything else on the host; more than
+# this is rarely useful for the small models a CPU can serve.
+CPU_KV_CACHE_CAP_BYTES = 4 << 30
+# Capacity beyond this many full-length sequences only costs memory.
+MAX_FULL_SEQUENCES = 256
+
+
+def _available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        logger.debug("no /proc/meminfo; using sysconf for available memory")
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _parse_device(device: str) -> torch.device:
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"--device {device!r}: expected cpu or cuda[:N]") from err
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: expected cpu or cuda[:N]")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r}: CUDA is not available on this host")
+    return parsed
+
+
+class ModelRunner:
+    """Runs Llama-family checkpoints over a paged KV cache (see module docstring)."""
+
+    def __init__(
+        self,
+        model_dir: Path | str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        memory_fraction: float | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype {kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}"
+            )
+        if block_size < 1:
+            raise ValueError(f"--block-size {block_size}: must be >= 1")
+        self.device = _parse_device(device)
+        self.dtype = DTYPES[dtype]
+        self.kv_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else self.dtype
+        path = resolve_model(str(model_dir))
+        self.spec: ModelSpec = read_model_spec(path)
+        spec = self.spec
+        self.model_name = path.name
+        self.block_size = block_size
+        self.vocab_size = spec.vocab_size
+        self.eos_token_ids = spec.eos_token_ids
+        self.max_model_len = spec.max_position_embeddings
+        if spec.sliding_window is not None and spec.sliding_window < self.max_model_len:
+            # Within the window, sliding-window attention equals full attention.
+            logger.info("capping max_model_len at the sliding window %d", spec.sliding_window)
+            self.max_model_len = spec.sliding_window
+        self.weights = load_weights(path, spec, self.dtype, self.device)
+        self._cos, self._sin = rope_tables(
+            spec.rope, spec.head_dim, self.max_model_len, self.dtype, self.device
+        )
+        self.num_blocks = self._capacity(num_blocks, memory_fraction)
+        shape = (self.num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        # Zeroed, not empty: padded decode rows read unused slots (masked out),
+        # and garbage NaNs there would poison the softmax.
+        self.k_caches = [
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            for _ in range(spec.num_layers)
+        ]
+        self.v_caches = [
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            for _ in range(spec.num_layers)
+        ]
+        logger.info(
+            "loaded %s (%s) on %s as %s: %d layers, %d KV blocks of %d tokens, kv cache %s",
+            self.model_name,
+            spec.model_type,
+            self.device,
+            dtype,
+            spec.num_layers,
+            self.num_blocks,
+            block_size,
+            kv_cache_dtype,
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes across all layers, K and V."""
+        spec = self.spec
+        elem = torch.empty(0, dtype=self.kv_dtype).element_size()
+        return 2 * spec.num_layers * self.block_size * spec.num_kv_heads * spec.head_dim * elem
+
+    def _capacity(self, num_blocks: int | None, memory_fraction: float | None) -> int:
+        """Blocks to allocate: ``num_blocks`` if given, else a fraction of free memory."""
+        if num_blocks is not None:
+            if num_blocks < 1:
+                raise ValueError(f"--num-blocks {num_blocks}: must be >= 1")
+            return num_blocks
+        cuda = self.device.type == "cuda"
+        if memory_fraction is None:
+            memory_fraction = DEFAULT_CUDA_MEMORY_FRACTION if cuda else DEFAULT_CPU_MEMORY_FRACTION
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"--memory-fraction {memory_fraction}: must be in (0, 1]")
+        if cuda:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * memory_fraction)
+        else:
+            budget = min(int(_available_ram_bytes() * memory_fraction), CPU_KV_CACHE_CAP_BYTES)
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        blocks = min(budget // self.block_bytes, MAX_FULL_SEQUENCES * blocks_per_seq)
+        if blocks < 1:
+            raise ValueError(
+                f"--memory-fraction {memory_fraction}: leaves no room for one KV block "
+                f"({self.block_bytes} bytes); raise it or set --num-blocks"
+            )
+        if blocks < blocks_per_seq:
+            logger.warning(
+                "%d KV blocks cannot hold one %d-token sequence", blocks, self.max_model_len
+            )
+        return int(blocks)
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+        """Runs one step; float32 logits [chunks with need_logits, vocab] on the runner's device.
+
+        Raises ValueError for a chunk whose positions exceed ``max_model_len``
+        or whose block table does not cover them.
+        """
+        spec = self.spec
+        if not chunks:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        plan = build_plan(chunks, self.block_size, self.max_model_len, self.device)
+        num_tokens = plan.num_tokens
+        heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_width = heads * head_dim
+        cos = self._cos[plan.positions].unsqueeze(1)
+        sin = self._sin[plan.positions].unsqueeze(1)
+        eps = spec.rms_norm_eps
+        hidden = F.embedding(plan.input_ids, self.weights.embed)
+        for layer, k_cache, v_cache in zip(
+            self.weights.layers, self.k_caches, self.v_caches, strict=True
+        ):
+            qkv = F.linear(rms_norm(hidden, layer.input_norm, eps), layer.qkv, layer.qkv_bias)
+            qk = qkv[:, : q_width + kv_heads * head_dim].view(num_tokens, heads + kv_heads, head_dim)
+            v = qkv[:, q_width + kv_heads * head_dim :].view(num_tokens, kv_heads, head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                # Qwen3 normalises each head of q and k before the rotation.
+                qk = torch.cat(
+                    (
+                        rms_norm(qk[:, :heads], layer.q_norm, eps),
+                        rms_norm(qk[:, heads:], layer.k_norm, eps),
+                    ),
+                    dim=1,
+                )
+            # q and k share each token's rotation: rotate them in one pass.
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            write_kv(k_cache, v_cache, k, v, plan.slots)
+            attn = paged_attention(q, k, v, k_cache, v_cache, plan)
+            hidden = hidden + F.linear(attn.reshape(num_tokens, q_width), layer.o_proj, layer.o_bias)
+            hidden = hidden + mlp(rms_norm(hidden, layer.post_norm, eps), layer)
+        last = hidden.index_select(0, plan.logits_rows)
+        last = rms_norm(last, self.weights.final_norm, eps)
+        return F.linear(last, self.weights.lm_head).float()

@@ -1,0 +1,393 @@
+"""Announces this worker in Redis: registry heartbeat, block set and event stream.
+
+The engine thread calls ``EventQueue.put`` with each step's KV events; it never
+blocks (a full queue drops the events and marks "needs snapshot"). One asyncio
+task, ``Publisher``, owns every Redis write, in order:
+
+1. sync: on start (a new epoch) and after any doubt (an outage, an overflow, a
+   registry key that vanished) it writes, in one MULTI/EXEC, the registry record,
+   the block set rebuilt from ``engine.resident_block_hashes()`` and an event
+   batch ``[AllBlocksCleared, BlockStored(all)]`` — so the set equals the pool.
+2. publish: each drained batch of events becomes one MULTI/EXEC of SADD/SREM on
+   the block set plus one XADD with the next gap-free ``seq``.
+3. heartbeat: the registry hash with current load, with a TTL.
+
+Redis being down never reaches the engine: the task retries with backoff and
+re-syncs when Redis answers again. ``stop`` deregisters (deletes every key of
+this worker), so a clean shutdown leaves nothing stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from contract.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    decode_batch,
+    encode_batch,
+)
+from contract.redis_layout import EVENT_FIELD, STREAM_MAXLEN, RedisLayout, WorkerRecord
+
+logger = logging.getLogger(__name__)
+
+_SADD_CHUNK = 10_000  # members per SADD, so a huge snapshot is not one giant command
+
+
+class EngineView(Protocol):
+    """What the publisher reads from the engine (both calls are thread-safe snapshots)."""
+
+    def stats(self) -> Any: ...
+
+    def resident_block_hashes(self) -> set[int]: ...
+
+
+class EventQueue:
+    """Bounded, lock-free hand-off of KV events from the engine thread to the publisher.
+
+    ``put`` runs on the engine thread and never blocks: when the queue is full it
+    drops the events and raises the overflow flag, and the publisher answers with
+    a full snapshot instead of the lost deltas.
+    """
+
+    def __init__(self, maxsize: int = 10_000) -> None:
+        if maxsize <= 0:
+            raise ValueError("event queue size must be positive")
+        self._items: deque[tuple[KVEvent, ...]] = deque()
+        self._maxsize = maxsize
+        self._overflow = threading.Event()
+        self._notify: Callable[[], None] | None = None
+
+    def put(self, events: Sequence[KVEvent]) -> None:
+        """Engine-thread callback (``Engine(on_events=queue.put)``)."""
+        if not events:
+            return
+        if len(self._items) >= self._maxsize:
+            self._overflow.set()
+        else:
+            self._items.append(tuple(events))
+        notify = self._notify
+        if notify is not None:
+            notify()
+
+    def set_notify(self, notify: Callable[[], None] | None) -> None:
+        """Called (from the engine thread) after each put; must not block."""
+        self._notify = notify
+
+    def drain(self, max_events: int) -> list[KVEvent]:
+        """Removes and returns queued events in order, stopping after ``max_events``."""
+        out: list[KVEvent] = []
+        while self._items and len(out) < max_events:
+            out.extend(self._items.popleft())
+        return out
+
+    def discard(self) -> None:
+        """Drops everything queued (a snapshot is about to supersede it)."""
+        while self._items:
+            self._items.popleft()
+
+    def take_overflow(self) -> bool:
+        """True once after events were dropped."""
+        if self._overflow.is_set():
+            self._overflow.clear()
+            return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@dataclass(frozen=True)
+class PublisherConfig:
+    """Where and how often the publisher writes."""
+
+    redis_url: str
+    worker_id: str
+    namespace: str = "kvroute"
+    heartbeat_interval: float = 1.0
+    heartbeat_ttl: float = 3.0
+    max_batch_events: int = 4096
+    retry_min_s: float = 0.1
+    retry_max_s: float = 1.0
+    op_timeout_s: float = 2.0
+
+
+def net_effect(events: Iterable[KVEvent]) -> tuple[bool, set[int], set[int]]:
+    """(cleared, added, removed): what a run of events does to the block set.
+
+    The last event touching a hash wins, so one SADD and one SREM replay a whole
+    batch; ``cleared`` means the set must be emptied first.
+    """
+    cleared = False
+    state: dict[int, bool] = {}
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            cleared = True
+            state.clear()
+        elif isinstance(event, BlockStored):
+            state.update(dict.fromkeys(event.block_hashes, True))
+        elif isinstance(event, BlockRemoved):
+            state.update(dict.fromkeys(event.block_hashes, False))
+    added = {h for h, present in state.items() if present}
+    removed = set() if cleared else {h for h, present in state.items() if not present}
+    return cleared, added, removed
+
+
+class Publisher:
+    """The asyncio task that keeps this worker's Redis keys equal to its engine."""
+
+    def __init__(self, engine: EngineView, queue: EventQueue, config: PublisherConfig,
+                 record: WorkerRecord) -> None:
+        self.engine = engine
+        self.queue = queue
+        self.config = config
+        self.layout = RedisLayout(config.namespace)
+        self.epoch = uuid.uuid4().hex
+        self._record = replace(record, worker_id=config.worker_id, epoch=self.epoch)
+        self._seq = 0  # the seq the next batch gets
+        self._started_epoch = False  # the first sync of an epoch also clears the old stream
+        self._synced = False
+        self._stopping = False
+        self._wake = asyncio.Event()
+        self._wake_pending = False
+        self._task: asyncio.Task[None] | None = None
+        self._redis: aioredis.Redis | None = None
+        self.syncs = 0  # completed full syncs (tests and logs)
+
+    @property
+    def synced(self) -> bool:
+        """True while Redis holds an up-to-date copy of this worker's state."""
+        return self._synced
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    def update_record(self, **changes: Any) -> None:
+        """Changes static registry fields (e.g. the bound address) before ``start``."""
+        self._record = replace(self._record, **changes)
+
+    async def start(self) -> None:
+        """Connects lazily and starts the task; never raises for an unreachable Redis."""
+        loop = asyncio.get_running_loop()
+        self._redis = aioredis.from_url(
+            self.config.redis_url,
+            socket_timeout=self.config.op_timeout_s,
+            socket_connect_timeout=self.config.op_timeout_s,
+            # Our own loop retries and re-syncs; a silent client-side retry of a
+            # MULTI/EXEC could append a batch twice.
+            retry=Retry(NoBackoff(), 0),
+        )
+
+        def wake_from_thread() -> None:
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+            with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
+                loop.call_soon_threadsafe(self._on_wake)
+
+        self.queue.set_notify(wake_from_thread)
+        self._task = asyncio.create_task(self._run(), name="kvroute-publisher")
+
+    def _on_wake(self) -> None:
+        self._wake_pending = False
+        self._wake.set()
+
+    async def stop(self, deregister: bool = True) -> None:
+        """Stops the task and, if asked, deletes this worker's registry, set and stream."""
+        self._stopping = True
+        self.queue.set_notify(None)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._redis is None:
+            return
+        if deregister:
+            try:
+                await self._deregister()
+                logger.info("worker %s deregistered from Redis", self.config.worker_id)
+            except (RedisError, OSError) as exc:
+                logger.warning("worker %s could not deregister: %s (its registry key expires "
+                               "in %.1fs)", self.config.worker_id, exc, self.config.heartbeat_ttl)
+        await self._redis.aclose()
+        self._redis = None
+        self._synced = False
+
+    async def _deregister(self) -> None:
+        assert self._redis is not None
+        wid = self.config.worker_id
+        async with self._redis.pipeline(transaction=True) as pipe:
+            # The registry key goes first: gateways drop the worker as soon as it is gone.
+            pipe.delete(self.layout.worker(wid))
+            pipe.delete(self.layout.blocks(wid))
+            pipe.delete(self.layout.events(wid))
+            pipe.srem(self.layout.workers, wid)
+            await pipe.execute()
+
+    async def _run(self) -> None:
+        backoff = self.config.retry_min_s
+        next_heartbeat = 0.0
+        outage_logged = False
+        while not self._stopping:
+            try:
+                if not self._synced:
+                    await self._sync()
+                    if outage_logged:
+                        logger.info("worker %s: Redis is back; registry and %d blocks re-sent",
+                                    self.config.worker_id, self._last_snapshot_size)
+                    outage_logged = False
+                    backoff = self.config.retry_min_s
+                    next_heartbeat = time.monotonic() + self.config.heartbeat_interval
+                    continue
+                timeout = max(0.0, next_heartbeat - time.monotonic())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                self._wake.clear()
+                if self.queue.take_overflow():
+                    logger.warning("worker %s: event queue overflowed; sending a snapshot",
+                                   self.config.worker_id)
+                    self._synced = False
+                    continue
+                events = self.queue.drain(self.config.max_batch_events)
+                if events and not await self._publish(events):
+                    self._synced = False
+                    continue
+                if len(self.queue):
+                    self._wake.set()  # more than one batch was waiting
+                if time.monotonic() >= next_heartbeat:
+                    next_heartbeat = time.monotonic() + self.config.heartbeat_interval
+                    if not await self._heartbeat():
+                        logger.warning("worker %s: registry key was missing; re-syncing",
+                                       self.config.worker_id)
+                        self._synced = False
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._synced = False
+                if not outage_logged:
+                    logger.warning("worker %s: Redis unavailable (%s); serving on, retrying",
+                                   self.config.worker_id, exc)
+                    outage_logged = True
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2, self.config.retry_max_s)
+
+    _last_snapshot_size = 0
+
+    async def _sync(self) -> None:
+        """Writes registry + full block set + a snapshot batch in one transaction."""
+        assert self._redis is not None
+        wid = self.config.worker_id
+        blocks_key, events_key = self.layout.blocks(wid), self.layout.events(wid)
+        first = not self._started_epoch
+        if not first:
+            # After an outage, continue from what Redis actually holds: a batch whose
+            # EXEC reply was lost may or may not have landed.
+            tail = await self._redis.xrevrange(events_key, count=1)
+            if tail:
+                with contextlib.suppress(ValueError, KeyError):
+                    last = decode_batch(tail[0][1][EVENT_FIELD.encode()])
+                    if last.epoch == self.epoch:
+                        self._seq = last.seq + 1
+        # Anything queued is superseded by the snapshot; later events re-apply idempotently.
+        self.queue.discard()
+        self.queue.take_overflow()
+        hashes = sorted(self.engine.resident_block_hashes())
+        events: list[KVEvent] = [AllBlocksCleared()]
+        if hashes:
+            events.append(BlockStored(tuple(hashes), None))
+        seq = 0 if first else self._seq
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(blocks_key)
+            if first:
+                pipe.delete(events_key)
+            for i in range(0, len(hashes), _SADD_CHUNK):
+                pipe.sadd(blocks_key, *hashes[i : i + _SADD_CHUNK])
+            pipe.xadd(events_key, {EVENT_FIELD: self._encode(seq, events)},
+                      maxlen=STREAM_MAXLEN, approximate=True)
+            self._queue_heartbeat(pipe)
+            await pipe.execute()
+        self._seq = seq + 1
+        self._started_epoch = True
+        self._synced = True
+        self._last_snapshot_size = len(hashes)
+        self.syncs += 1
+        logger.info("worker %s registered (epoch %s, %d resident blocks, seq %d)",
+                    wid, self.epoch, len(hashes), seq)
+
+    async def _publish(self, events: list[KVEvent]) -> bool:
+        """One MULTI/EXEC: set changes + XADD. False when the registry key had vanished."""
+        assert self._redis is not None
+        wid = self.config.worker_id
+        blocks_key = self.layout.blocks(wid)
+        cleared, added, removed = net_effect(events)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.exists(self.layout.worker(wid))
+            if cleared:
+                pipe.delete(blocks_key)
+            if added:
+                pipe.sadd(blocks_key, *added)
+            if removed:
+                pipe.srem(blocks_key, *removed)
+            pipe.xadd(self.layout.events(wid), {EVENT_FIELD: self._encode(self._seq, events)},
+                      maxlen=STREAM_MAXLEN, approximate=True)
+            results = await pipe.execute()
+        self._seq += 1
+        # A missing registry key means Redis lost our state (restart, flush): re-sync.
+        return bool(results[0])
+
+    async def _heartbeat(self) -> bool:
+        """Refreshes registry + TTL. False when the key had to be created (it was lost)."""
+        assert self._redis is not None
+        async with self._redis.pipeline(transaction=True) as pipe:
+            self._queue_heartbeat(pipe)
+            results = await pipe.execute()
+        return int(results[0]) == 0
+
+    def _queue_heartbeat(self, pipe: Any) -> None:
+        wid = self.config.worker_id
+        key = self.layout.worker(wid)
+        pipe.hset(key, mapping=self.current_record().to_mapping())
+        pipe.pexpire(key, int(self.config.heartbeat_ttl * 1000))
+        pipe.sadd(self.layout.workers, wid)
+        # The set and stream outlive a crashed worker only for a while; a live one
+        # refreshes them here (an empty set has no key and needs none).
+        stale_ms = int(max(60.0, 20 * self.config.heartbeat_ttl) * 1000)
+        pipe.pexpire(self.layout.blocks(wid), stale_ms)
+        pipe.pexpire(self.layout.events(wid), stale_ms)
+
+    def current_record(self) -> WorkerRecord:
+        """The registry record with the engine's current load."""
+        stats = self.engine.stats()
+        return replace(
+            self._record,
+            num_blocks=int(stats.num_blocks),
+            running=int(stats.running),
+            waiting=int(stats.waiting),
+            queued_prefill_tokens=int(stats.queued_prefill_tokens),
+            free_blocks=int(stats.free_blocks),
+            prefill_tokens_per_s=float(stats.prefill_tokens_per_s),
+            decode_tokens_per_s=float(stats.decode_tokens_per_s),
+            updated_at=time.time(),
+        )
+
+    def _encode(self, seq: int, events: Sequence[KVEvent]) -> bytes:
+        return encode_batch(EventBatch(self.config.worker_id, self.epoch, seq, time.time(),
+                                       tuple(events)))
