@@ -38,11 +38,11 @@ def system_prompt_ids(tokenizer: Any, text: str) -> list[int]:
     role fall back to the raw text.
     """
     try:
-        rendered = tokenizer.apply_chat_template([{"role": "system", "content": text}],
-                                                 tokenize=False, add_generation_prompt=False)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "system", "content": text}], tokenize=False, add_generation_prompt=False
+        )
     except Exception as exc:  # a template may raise anything for an unsupported role
-        logger.warning("chat template cannot render a system message (%s); pinning raw text",
-                       exc)
+        logger.warning("chat template cannot render a system message (%s); pinning raw text", exc)
         return list(tokenizer.encode(text, add_special_tokens=True))
     return list(tokenizer.encode(str(rendered), add_special_tokens=False))
 
@@ -71,26 +71,45 @@ class WorkerProcess:
         cfg = self.config
         model_dir = await asyncio.to_thread(resolve_model, cfg.model)
         runner = await asyncio.to_thread(
-            ModelRunner, model_dir, device=cfg.device, dtype=cfg.dtype,
-            block_size=cfg.block_size, num_blocks=cfg.num_blocks,
-            memory_fraction=cfg.memory_fraction, kv_cache_dtype=cfg.kv_cache_dtype)
+            ModelRunner,
+            model_dir,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            block_size=cfg.block_size,
+            num_blocks=cfg.num_blocks,
+            memory_fraction=cfg.memory_fraction,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+        )
         spec = HashSpec(block_size=cfg.block_size, model=cfg.served_model_name)
         events = EventQueue()
-        self.engine = Engine(runner, EngineConfig(max_num_seqs=cfg.max_num_seqs,
-                                                  max_batch_tokens=cfg.max_batch_tokens),
-                             hash_spec=spec, on_events=events.put)
+        engine_config = EngineConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_batch_tokens=cfg.max_batch_tokens,
+            max_model_len=cfg.max_model_len,
+        )
+        self.engine = Engine(runner, engine_config, hash_spec=spec, on_events=events.put)
         self.engine.start()
         metrics = WorkerMetrics(self.engine, cfg.worker_id)
         self.publisher = Publisher(
-            self.engine, events,
-            PublisherConfig(redis_url=cfg.redis_url, worker_id=cfg.worker_id,
-                            namespace=cfg.redis_namespace,
-                            heartbeat_interval=cfg.heartbeat_interval,
-                            heartbeat_ttl=cfg.heartbeat_ttl),
-            WorkerRecord(worker_id=cfg.worker_id, address="", model=cfg.served_model_name,
-                         hash_spec=spec.describe(), block_size=cfg.block_size,
-                         num_blocks=self.engine.num_blocks,
-                         max_model_len=self.engine.max_model_len))
+            self.engine,
+            events,
+            PublisherConfig(
+                redis_url=cfg.redis_url,
+                worker_id=cfg.worker_id,
+                namespace=cfg.redis_namespace,
+                heartbeat_interval=cfg.heartbeat_interval,
+                heartbeat_ttl=cfg.heartbeat_ttl,
+            ),
+            WorkerRecord(
+                worker_id=cfg.worker_id,
+                address="",
+                model=cfg.served_model_name,
+                hash_spec=spec.describe(),
+                block_size=cfg.block_size,
+                num_blocks=self.engine.num_blocks,
+                max_model_len=self.engine.max_model_len,
+            ),
+        )
 
         tokenizer = None
         if cfg.http_port or cfg.pin_system_prompt is not None:
@@ -100,25 +119,38 @@ class WorkerProcess:
         if cfg.pin_system_prompt is not None:
             await self._pin(tokenizer, cfg.pin_system_prompt)
 
-        service = WorkerService(self.engine, worker_id=cfg.worker_id, hash_spec=spec,
-                                epoch=self.publisher.epoch)
+        service = WorkerService(
+            self.engine, worker_id=cfg.worker_id, hash_spec=spec, epoch=self.publisher.epoch
+        )
         self.grpc_server, self.grpc_port = await start_grpc_server(
-            service, cfg.host, cfg.grpc_port, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
+            service, cfg.host, cfg.grpc_port, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
+        )
         http_address = ""
         if cfg.http_port:
             from worker.http_server import create_app, start_http_server
 
-            app = create_app(self.engine, tokenizer, model_name=cfg.served_model_name,
-                             worker_id=cfg.worker_id, metrics=metrics)
-            self.http_runner, self.http_port = await start_http_server(app, cfg.host,
-                                                                       cfg.http_port)
+            app = create_app(
+                self.engine,
+                tokenizer,
+                model_name=cfg.served_model_name,
+                worker_id=cfg.worker_id,
+                metrics=metrics,
+            )
+            self.http_runner, self.http_port = await start_http_server(app, cfg.host, cfg.http_port)
             http_address = _host_port(cfg.advertised_host, self.http_port)
-        self.publisher.update_record(address=_host_port(cfg.advertised_host, self.grpc_port),
-                                     http_address=http_address)
+        self.publisher.update_record(
+            address=_host_port(cfg.advertised_host, self.grpc_port), http_address=http_address
+        )
         await self.publisher.start()
-        logger.info("worker %s serving %s (%d blocks of %d tokens): grpc_port=%d http_port=%d",
-                    cfg.worker_id, cfg.served_model_name, self.engine.num_blocks,
-                    cfg.block_size, self.grpc_port, self.http_port)
+        logger.info(
+            "worker %s serving %s (%d blocks of %d tokens): grpc_port=%d http_port=%d",
+            cfg.worker_id,
+            cfg.served_model_name,
+            self.engine.num_blocks,
+            cfg.block_size,
+            self.grpc_port,
+            self.http_port,
+        )
 
     async def _pin(self, tokenizer: Any, path: Path) -> None:
         text = path.read_text(encoding="utf-8")
@@ -168,8 +200,11 @@ def _run(coro: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``kvroute worker [flags]``; returns the process exit code."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         config = config_from_args(sys.argv[1:] if argv is None else argv)
     except ValueError as exc:

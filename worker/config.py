@@ -12,14 +12,21 @@ import argparse
 import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from contract.redis_layout import DEFAULT_NAMESPACE, RedisLayout
 
 ENV_PREFIX = "KVROUTE_"
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16", "half": "float16"}
+DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
 KV_CACHE_DTYPES = ("auto", "fp8")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -48,6 +55,7 @@ class WorkerConfig:
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
     max_batch_tokens: int = 2048
+    max_model_len: int | None = None  # None = the model's, capped by the pool
     heartbeat_interval: float = 1.0
     heartbeat_ttl: float = 3.0
     pin_system_prompt: Path | None = None
@@ -64,8 +72,9 @@ class WorkerConfig:
         if not self.worker_id or any(c in self.worker_id for c in " :*?[]"):
             raise ValueError(f"--worker-id {self.worker_id!r}: use letters, digits, ., -, _")
         if not self.redis_url.startswith(REDIS_SCHEMES):
-            raise ValueError(f"--redis-url {self.redis_url!r}: must start with redis://, "
-                             "rediss:// or unix://")
+            raise ValueError(
+                f"--redis-url {self.redis_url!r}: must start with redis://, rediss:// or unix://"
+            )
         RedisLayout(self.redis_namespace)  # raises naming --redis-namespace
         for flag, port in (("--grpc-port", self.grpc_port), ("--http-port", self.http_port)):
             if not 0 <= port <= 65535:
@@ -83,10 +92,14 @@ class WorkerConfig:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: use auto or fp8")
         _positive("--max-num-seqs", self.max_num_seqs)
         _positive("--max-batch-tokens", self.max_batch_tokens)
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len {self.max_model_len}: must be at least 2")
         _positive("--heartbeat-interval", self.heartbeat_interval)
         if self.heartbeat_ttl <= self.heartbeat_interval:
-            raise ValueError(f"--heartbeat-ttl {self.heartbeat_ttl}: must exceed "
-                             f"--heartbeat-interval {self.heartbeat_interval}")
+            raise ValueError(
+                f"--heartbeat-ttl {self.heartbeat_ttl}: must exceed "
+                f"--heartbeat-interval {self.heartbeat_interval}"
+            )
         if self.pin_system_prompt is not None and not self.pin_system_prompt.is_file():
             raise ValueError(f"--pin-system-prompt {self.pin_system_prompt}: no such file")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -100,12 +113,19 @@ class WorkerConfig:
 
     @property
     def advertised_host(self) -> str:
-        """The host other machines dial: --advertise-host, else --host unless it is a wildcard."""
+        """The host other machines dial: --advertise-host, else --host unless it is a wildcard.
+
+        For a wildcard bind it is this host's resolved address (a pod IP in
+        Kubernetes), falling back to loopback when the hostname does not resolve.
+        """
         if self.advertise_host:
             return self.advertise_host
-        if self.host in ("0.0.0.0", "::", ""):
-            return socket.gethostname()
-        return self.host
+        if self.host not in ("0.0.0.0", "::", ""):
+            return self.host
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
 
 
 def default_served_name(model: str) -> str:
@@ -135,13 +155,20 @@ def _dtype(raw: str) -> str:
 # flag -> (field, converter, help). The converter turns a CLI or env string into the value.
 _FLAGS: dict[str, tuple[str, Callable[[str], object], str]] = {
     "--model": ("model", str, "model folder, .gguf file, or the alias smollm2"),
-    "--served-model-name": ("served_model_name", str,
-                            "model name in the API and the hash seed (default: folder name)"),
+    "--served-model-name": (
+        "served_model_name",
+        str,
+        "model name in the API and the hash seed (default: folder name)",
+    ),
     "--redis-url": ("redis_url", str, "redis://[:password@]host:port/db or rediss://..."),
     "--redis-namespace": ("redis_namespace", str, "key prefix shared with the gateways"),
     "--worker-id": ("worker_id", str, "unique worker id (default: hostname-pid)"),
     "--host": ("host", str, "interface to bind"),
-    "--advertise-host": ("advertise_host", str, "host gateways dial (default: --host or hostname)"),
+    "--advertise-host": (
+        "advertise_host",
+        str,
+        "host gateways dial (default: --host, or this host's address)",
+    ),
     "--grpc-port": ("grpc_port", int, "gRPC port (0 = any free port)"),
     "--http-port": ("http_port", int, "OpenAI-compatible HTTP port (0 = off)"),
     "--block-size": ("block_size", int, "tokens per KV block (must match the gateways)"),
@@ -152,10 +179,14 @@ _FLAGS: dict[str, tuple[str, Callable[[str], object], str]] = {
     "--kv-cache-dtype": ("kv_cache_dtype", str, "auto or fp8"),
     "--max-num-seqs": ("max_num_seqs", int, "most sequences running at once"),
     "--max-batch-tokens": ("max_batch_tokens", int, "token budget of one engine step"),
+    "--max-model-len": ("max_model_len", int, "longest sequence (default: the model's)"),
     "--heartbeat-interval": ("heartbeat_interval", float, "seconds between registry heartbeats"),
     "--heartbeat-ttl": ("heartbeat_ttl", float, "registry key TTL in seconds"),
-    "--pin-system-prompt": ("pin_system_prompt", _optional_path,
-                            "file whose text, as a system message, stays cached forever"),
+    "--pin-system-prompt": (
+        "pin_system_prompt",
+        _optional_path,
+        "file whose text, as a system message, stays cached forever",
+    ),
     "--tls-cert": ("tls_cert", _optional_path, "PEM certificate for gRPC TLS"),
     "--tls-key": ("tls_key", _optional_path, "PEM private key for gRPC TLS"),
     "--log-level": ("log_level", str.upper, "DEBUG, INFO, WARNING or ERROR"),
@@ -167,10 +198,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvroute worker",
         description="A paged-KV prefix-caching inference worker that announces its cache "
-                    "in Redis. Every flag --foo-bar also reads env KVROUTE_FOO_BAR.",
+        "in Redis. Every flag --foo-bar also reads env KVROUTE_FOO_BAR.",
     )
-    for flag, (_field, _conv, text) in _FLAGS.items():
-        parser.add_argument(flag, default=None, help=text, metavar=flag[2:].upper().replace("-", "_"))
+    defaults = {f.name: f.default for f in fields(WorkerConfig) if f.default is not MISSING}
+    for flag, (name, _conv, text) in _FLAGS.items():
+        default = defaults.get(name)
+        shown = f", default {default}" if default not in (None, "") else ""
+        parser.add_argument(
+            flag,
+            default=None,
+            help=f"{text} [env {env_name(flag)}{shown}]",
+            metavar=flag[2:].upper().replace("-", "_"),
+        )
     return parser
 
 

@@ -45,7 +45,7 @@ from contract.hashing import HashSpec
 from worker.batch import Batch
 from worker.block_pool import BlockPool
 from worker.scheduler import Scheduler, SchedulerConfig
-from worker.sequence import RequestTimings, SamplingParams
+from worker.sequence import RequestTimings, SamplingParams, validate_prompt
 from worker.sequence import Sequence as Seq
 
 logger = logging.getLogger(__name__)
@@ -207,7 +207,8 @@ class Engine:
             [on_request_finished] if on_request_finished else []
         )
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # engine state vs. snapshot readers
+        # Engine state vs. snapshot readers; re-entrant so a hook may call stats().
+        self._lock = threading.RLock()
         self._streams_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         self._pin_results: dict[str, concurrent.futures.Future[int]] = {}
@@ -233,6 +234,16 @@ class Engine:
         self._stopped = True
         self._commands.put(None)
         self._thread.join()
+        # The thread is gone, so this thread owns the state now: run what was still queued
+        # (so no caller of pin_prefix & co. waits forever), then end every sequence.
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command is not None:
+                with self._lock:
+                    command()
         with self._lock:
             for seq in [*self.scheduler.running, *self.scheduler.waiting]:
                 self.scheduler.abort(seq.request_id)
@@ -270,7 +281,7 @@ class Engine:
             self._streams[request_id] = stream
         finished = False
         try:
-            self._submit(lambda: self.scheduler.add(seq))
+            self._submit(lambda: self._add(seq))
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -281,15 +292,15 @@ class Engine:
         finally:
             with self._streams_lock:
                 self._streams.pop(request_id, None)
-            if not finished and not self._stopped:
-                self._submit(lambda: self._abort(request_id))
+            if not finished:
+                self._post(lambda: self._abort(request_id))
 
     def abort(self, request_id: str) -> bool:
         """Aborts an in-flight request; ``False`` if no stream with that id is open."""
         with self._streams_lock:
             found = request_id in self._streams
-        if found and not self._stopped:
-            self._submit(lambda: self._abort(request_id))
+        if found:
+            self._post(lambda: self._abort(request_id))
         return found
 
     def pin_prefix(
@@ -369,7 +380,12 @@ class Engine:
                 self._step()
             except Exception as exc:  # a bug must fail requests, not hang them forever
                 logger.exception("engine step failed")
-                self._fail(list(self.scheduler.running), exc)
+                try:
+                    self._fail(list(self.scheduler.running), exc)
+                except Exception:
+                    logger.exception("engine state is inconsistent; stopping the engine")
+                    self._die(exc)
+                    return
 
     def _drain_commands(self, *, block: bool) -> bool:
         """Runs queued commands; ``False`` on shutdown. Waits for one only when idle."""
@@ -426,6 +442,20 @@ class Engine:
         return list(
             self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         )
+
+    def _add(self, seq: Seq) -> None:
+        try:
+            self.scheduler.add(seq)
+        except ValueError as exc:  # an id whose previous request is still being aborted
+            self._deliver(seq.request_id, exc)
+
+    def _die(self, exc: Exception) -> None:
+        """Stops accepting work and fails every open stream (the engine thread is ending)."""
+        self._stopped = True
+        with self._streams_lock:
+            ids = list(self._streams)
+        for request_id in ids:
+            self._deliver(request_id, EngineError(f"engine stopped: {exc}"))
 
     def _abort(self, request_id: str) -> None:
         seq = self.scheduler.abort(request_id)
@@ -511,6 +541,13 @@ class Engine:
         self._check_running()
         self._commands.put(command)
 
+    def _post(self, command: _Command) -> bool:
+        """Like ``_submit`` for best-effort commands (aborts): ``False`` once stopped."""
+        if self._thread is None or self._stopped:
+            return False
+        self._commands.put(command)
+        return True
+
     def _call(self, fn: Callable[[], Any], timeout: float | None) -> Any:
         """Runs ``fn`` on the engine thread and returns its result."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -538,20 +575,5 @@ class Engine:
         """Validates a request (``ValueError``) and builds its sequence."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt must contain at least one token")
-        for token_id in prompt:
-            if isinstance(token_id, bool) or not isinstance(token_id, int):
-                raise ValueError(f"prompt token ids must be integers, got {token_id!r}")
-            if not 0 <= token_id < self.vocab_size:
-                raise ValueError(
-                    f"prompt token id {token_id} is outside the vocabulary (size {self.vocab_size})"
-                )
-        params.validate(self.vocab_size)
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len {self.max_model_len}"
-            )
+        prompt = validate_prompt(prompt_token_ids, params, self.vocab_size, self.max_model_len)
         return Seq(request_id, prompt, params, self._spec(cache_salt, lora))

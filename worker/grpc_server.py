@@ -21,13 +21,15 @@ import grpc
 from contract import worker_pb2 as pb
 from contract import worker_pb2_grpc
 from contract.hashing import HashSpec
+from worker.engine import EngineError
 from worker.sequence import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-def sampling_from_proto(msg: pb.SamplingParams, prompt_len: int,
-                        max_model_len: int) -> SamplingParams:
+def sampling_from_proto(
+    msg: pb.SamplingParams, prompt_len: int, max_model_len: int
+) -> SamplingParams:
     """Maps the wire message to ``SamplingParams`` (proto3 zeros mean "not set").
 
     ``max_tokens`` 0 means "up to the context length"; ``top_p`` 0 means off.
@@ -47,15 +49,17 @@ def sampling_from_proto(msg: pb.SamplingParams, prompt_len: int,
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     """Serves one engine over gRPC."""
 
-    def __init__(self, engine: Any, *, worker_id: str, hash_spec: HashSpec,
-                 epoch: str = "") -> None:
+    def __init__(
+        self, engine: Any, *, worker_id: str, hash_spec: HashSpec, epoch: str = ""
+    ) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self.hash_spec = hash_spec
         self.epoch = epoch
 
-    async def Generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         prompt = list(request.prompt_token_ids)
         try:
@@ -66,12 +70,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         stream: Any = None
         finished = started = False
         try:
-            stream = self.engine.generate(request_id, prompt, params,
-                                          cache_salt=request.cache_salt, lora=request.lora_name)
+            stream = self.engine.generate(
+                request_id, prompt, params, cache_salt=request.cache_salt, lora=request.lora_name
+            )
             async for out in stream:
                 started = True
-                chunk = pb.GenerateResponse(token_ids=out.new_token_ids, finished=out.finished,
-                                            worker_id=self.worker_id)
+                chunk = pb.GenerateResponse(
+                    token_ids=out.new_token_ids, finished=out.finished, worker_id=self.worker_id
+                )
                 if out.finished:
                     finished = True
                     chunk.finish_reason = out.finish_reason or "stop"
@@ -87,6 +93,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 raise
             logger.info("request %s rejected: %s", request_id, exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineError as exc:
+            logger.error("request %s failed: %s", request_id, exc)
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        except RuntimeError as exc:  # the engine is shutting down: another worker can serve it
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
             # Cancellation (client gone, deadline) lands here: free the blocks now.
             if not finished:
@@ -94,30 +105,38 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     await _close(stream)
                 self.engine.abort(request_id)
 
-    async def Abort(self, request: pb.AbortRequest,
-                    context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
         return pb.AbortResponse(found=bool(self.engine.abort(request.request_id)))
 
-    async def Info(self, request: pb.InfoRequest,
-                   context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+    async def Info(
+        self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.InfoResponse:
         spec = self.hash_spec
         stats = self.engine.stats()
         return pb.InfoResponse(
             worker_id=self.worker_id,
             model=spec.model,
-            hash_spec=pb.HashSpecInfo(block_size=spec.block_size, model=spec.model,
-                                      revision=spec.revision, lora=spec.lora),
+            hash_spec=pb.HashSpecInfo(
+                block_size=spec.block_size, model=spec.model, revision=spec.revision, lora=spec.lora
+            ),
             block_size=spec.block_size,
             num_blocks=int(stats.num_blocks),
             max_model_len=int(self.engine.max_model_len),
             epoch=self.epoch,
         )
 
-    async def Health(self, request: pb.HealthRequest,
-                     context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+    async def Health(
+        self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthResponse:
         stats = self.engine.stats()
-        return pb.HealthResponse(serving=True, running=int(stats.running),
-                                 waiting=int(stats.waiting), free_blocks=int(stats.free_blocks))
+        return pb.HealthResponse(
+            serving=True,
+            running=int(stats.running),
+            waiting=int(stats.waiting),
+            free_blocks=int(stats.free_blocks),
+        )
 
 
 async def _close(stream: Any) -> None:
@@ -130,16 +149,23 @@ async def _close(stream: Any) -> None:
         logger.debug("closing a generate stream: %r", exc)
 
 
-async def start_grpc_server(service: WorkerService, host: str, port: int, *,
-                            tls_cert: Path | None = None,
-                            tls_key: Path | None = None) -> tuple[grpc.aio.Server, int]:
+async def start_grpc_server(
+    service: WorkerService,
+    host: str,
+    port: int,
+    *,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+) -> tuple[grpc.aio.Server, int]:
     """Starts a ``grpc.aio`` server for ``service``; returns it and the bound port."""
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", 64 << 20),
-        ("grpc.max_send_message_length", 64 << 20),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.http2.max_pings_without_data", 0),
-    ])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+    )
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if tls_cert is not None and tls_key is not None:

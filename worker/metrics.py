@@ -52,8 +52,11 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 30
 # (metric name without _total, EngineStats field, help)
 _ENGINE_COUNTERS = (
     ("kvroute_worker_prompt_tokens", "prompt_tokens_total", "Prompt tokens admitted."),
-    ("kvroute_worker_cached_prompt_tokens", "cached_prompt_tokens_total",
-     "Prompt tokens served from cached full blocks (engine-reported)."),
+    (
+        "kvroute_worker_cached_prompt_tokens",
+        "cached_prompt_tokens_total",
+        "Prompt tokens served from cached full blocks (engine-reported).",
+    ),
     ("kvroute_worker_generation_tokens", "generation_tokens_total", "Tokens generated."),
     ("kvroute_worker_preemptions", "preemptions_total", "Sequences preempted for recompute."),
     ("kvroute_worker_evictions", "evictions_total", "Cached blocks evicted for reuse."),
@@ -61,8 +64,11 @@ _ENGINE_COUNTERS = (
 _ENGINE_GAUGES = (
     ("kvroute_worker_running", "running", "Sequences running."),
     ("kvroute_worker_waiting", "waiting", "Sequences waiting for admission."),
-    ("kvroute_worker_queued_prefill_tokens", "queued_prefill_tokens",
-     "Prompt tokens not yet computed."),
+    (
+        "kvroute_worker_queued_prefill_tokens",
+        "queued_prefill_tokens",
+        "Prompt tokens not yet computed.",
+    ),
 )
 
 
@@ -79,11 +85,15 @@ class _EngineCollector(Collector):
 
     def describe(self) -> list[Metric]:
         # Names only, so registering does not call into the engine.
-        out: list[Metric] = [CounterMetricFamily(n, h, labels=["worker_id"])
-                             for n, _, h in _ENGINE_COUNTERS]
+        out: list[Metric] = [
+            CounterMetricFamily(n, h, labels=["worker_id"]) for n, _, h in _ENGINE_COUNTERS
+        ]
         out += [GaugeMetricFamily(n, h, labels=["worker_id"]) for n, _, h in _ENGINE_GAUGES]
-        out.append(GaugeMetricFamily("kvroute_worker_blocks", "KV blocks by state.",
-                                     labels=["worker_id", "state"]))
+        out.append(
+            GaugeMetricFamily(
+                "kvroute_worker_blocks", "KV blocks by state.", labels=["worker_id", "state"]
+            )
+        )
         return out
 
     def collect(self) -> Iterator[Metric]:
@@ -97,11 +107,16 @@ class _EngineCollector(Collector):
             gauge = GaugeMetricFamily(name, text, labels=["worker_id"])
             gauge.add_metric(wid, float(getattr(stats, field_name)))
             yield gauge
-        blocks = GaugeMetricFamily("kvroute_worker_blocks", "KV blocks by state.",
-                                   labels=["worker_id", "state"])
-        values = {"total": stats.num_blocks, "used": stats.used_blocks,
-                  "cached": stats.cached_blocks, "free": stats.free_blocks,
-                  "pinned": stats.pinned_blocks}
+        blocks = GaugeMetricFamily(
+            "kvroute_worker_blocks", "KV blocks by state.", labels=["worker_id", "state"]
+        )
+        values = {
+            "total": stats.num_blocks,
+            "used": stats.used_blocks,
+            "cached": stats.cached_blocks,
+            "free": stats.free_blocks,
+            "pinned": stats.pinned_blocks,
+        }
         for state in BLOCK_STATES:
             blocks.add_metric([self.worker_id, state], float(values[state]))
         yield blocks
@@ -114,15 +129,33 @@ class WorkerMetrics:
         self.worker_id = worker_id
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["worker_id"]
-        self.requests = Counter("kvroute_worker_requests", "Requests finished, by reason.",
-                                [*labels, "finish_reason"], registry=self.registry)
-        self.ttft = Histogram("kvroute_worker_ttft_seconds", "Engine-side time to first token.",
-                              labels, buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("kvroute_worker_inter_token_latency_seconds",
-                             "Time between consecutive output tokens.", labels,
-                             buckets=_ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("kvroute_worker_e2e_seconds", "Request arrival to last token.",
-                             labels, buckets=_E2E_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "kvroute_worker_requests",
+            "Requests finished, by reason.",
+            [*labels, "finish_reason"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "kvroute_worker_ttft_seconds",
+            "Engine-side time to first token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "kvroute_worker_inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "kvroute_worker_e2e_seconds",
+            "Request arrival to last token.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        )
         # Children exist from the start, so every series is visible at zero.
         for reason in FINISH_REASONS:
             self.requests.labels(worker_id, reason)

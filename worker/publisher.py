@@ -154,8 +154,9 @@ def net_effect(events: Iterable[KVEvent]) -> tuple[bool, set[int], set[int]]:
 class Publisher:
     """The asyncio task that keeps this worker's Redis keys equal to its engine."""
 
-    def __init__(self, engine: EngineView, queue: EventQueue, config: PublisherConfig,
-                 record: WorkerRecord) -> None:
+    def __init__(
+        self, engine: EngineView, queue: EventQueue, config: PublisherConfig, record: WorkerRecord
+    ) -> None:
         self.engine = engine
         self.queue = queue
         self.config = config
@@ -171,6 +172,7 @@ class Publisher:
         self._task: asyncio.Task[None] | None = None
         self._redis: aioredis.Redis | None = None
         self.syncs = 0  # completed full syncs (tests and logs)
+        self._last_snapshot_size = 0
 
     @property
     def synced(self) -> bool:
@@ -227,8 +229,12 @@ class Publisher:
                 await self._deregister()
                 logger.info("worker %s deregistered from Redis", self.config.worker_id)
             except (RedisError, OSError) as exc:
-                logger.warning("worker %s could not deregister: %s (its registry key expires "
-                               "in %.1fs)", self.config.worker_id, exc, self.config.heartbeat_ttl)
+                logger.warning(
+                    "worker %s could not deregister: %s (its registry key expires in %.1fs)",
+                    self.config.worker_id,
+                    exc,
+                    self.config.heartbeat_ttl,
+                )
         await self._redis.aclose()
         self._redis = None
         self._synced = False
@@ -253,8 +259,11 @@ class Publisher:
                 if not self._synced:
                     await self._sync()
                     if outage_logged:
-                        logger.info("worker %s: Redis is back; registry and %d blocks re-sent",
-                                    self.config.worker_id, self._last_snapshot_size)
+                        logger.info(
+                            "worker %s: Redis is back; registry and %d blocks re-sent",
+                            self.config.worker_id,
+                            self._last_snapshot_size,
+                        )
                     outage_logged = False
                     backoff = self.config.retry_min_s
                     next_heartbeat = time.monotonic() + self.config.heartbeat_interval
@@ -264,8 +273,10 @@ class Publisher:
                     await asyncio.wait_for(self._wake.wait(), timeout)
                 self._wake.clear()
                 if self.queue.take_overflow():
-                    logger.warning("worker %s: event queue overflowed; sending a snapshot",
-                                   self.config.worker_id)
+                    logger.warning(
+                        "worker %s: event queue overflowed; sending a snapshot",
+                        self.config.worker_id,
+                    )
                     self._synced = False
                     continue
                 events = self.queue.drain(self.config.max_batch_events)
@@ -277,19 +288,27 @@ class Publisher:
                 if time.monotonic() >= next_heartbeat:
                     next_heartbeat = time.monotonic() + self.config.heartbeat_interval
                     if not await self._heartbeat():
-                        logger.warning("worker %s: registry key was missing; re-syncing",
-                                       self.config.worker_id)
+                        logger.warning(
+                            "worker %s: registry key was missing; re-syncing", self.config.worker_id
+                        )
                         self._synced = False
             except (RedisError, OSError, TimeoutError) as exc:
-                self._synced = False
                 if not outage_logged:
-                    logger.warning("worker %s: Redis unavailable (%s); serving on, retrying",
-                                   self.config.worker_id, exc)
+                    logger.warning(
+                        "worker %s: Redis unavailable (%s); serving on, retrying",
+                        self.config.worker_id,
+                        exc,
+                    )
                     outage_logged = True
-                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
-                backoff = min(backoff * 2, self.config.retry_max_s)
-
-    _last_snapshot_size = 0
+            except Exception:
+                # A bug here must not silently end publishing: the worker would fall
+                # out of the registry while still serving.
+                logger.exception("worker %s: publisher step failed", self.config.worker_id)
+            else:
+                continue
+            self._synced = False
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, self.config.retry_max_s)
 
     async def _sync(self) -> None:
         """Writes registry + full block set + a snapshot batch in one transaction."""
@@ -300,10 +319,10 @@ class Publisher:
         if not first:
             # After an outage, continue from what Redis actually holds: a batch whose
             # EXEC reply was lost may or may not have landed.
-            tail = await self._redis.xrevrange(events_key, count=1)
+            tail: Any = await self._redis.xrevrange(events_key, count=1)
             if tail:
-                with contextlib.suppress(ValueError, KeyError):
-                    last = decode_batch(tail[0][1][EVENT_FIELD.encode()])
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    last = decode_batch(bytes(tail[0][1][EVENT_FIELD.encode()]))
                     if last.epoch == self.epoch:
                         self._seq = last.seq + 1
         # Anything queued is superseded by the snapshot; later events re-apply idempotently.
@@ -320,8 +339,12 @@ class Publisher:
                 pipe.delete(events_key)
             for i in range(0, len(hashes), _SADD_CHUNK):
                 pipe.sadd(blocks_key, *hashes[i : i + _SADD_CHUNK])
-            pipe.xadd(events_key, {EVENT_FIELD: self._encode(seq, events)},
-                      maxlen=STREAM_MAXLEN, approximate=True)
+            pipe.xadd(
+                events_key,
+                {EVENT_FIELD: self._encode(seq, events)},
+                maxlen=STREAM_MAXLEN,
+                approximate=True,
+            )
             self._queue_heartbeat(pipe)
             await pipe.execute()
         self._seq = seq + 1
@@ -329,8 +352,13 @@ class Publisher:
         self._synced = True
         self._last_snapshot_size = len(hashes)
         self.syncs += 1
-        logger.info("worker %s registered (epoch %s, %d resident blocks, seq %d)",
-                    wid, self.epoch, len(hashes), seq)
+        logger.info(
+            "worker %s registered (epoch %s, %d resident blocks, seq %d)",
+            wid,
+            self.epoch,
+            len(hashes),
+            seq,
+        )
 
     async def _publish(self, events: list[KVEvent]) -> bool:
         """One MULTI/EXEC: set changes + XADD. False when the registry key had vanished."""
@@ -346,8 +374,12 @@ class Publisher:
                 pipe.sadd(blocks_key, *added)
             if removed:
                 pipe.srem(blocks_key, *removed)
-            pipe.xadd(self.layout.events(wid), {EVENT_FIELD: self._encode(self._seq, events)},
-                      maxlen=STREAM_MAXLEN, approximate=True)
+            pipe.xadd(
+                self.layout.events(wid),
+                {EVENT_FIELD: self._encode(self._seq, events)},
+                maxlen=STREAM_MAXLEN,
+                approximate=True,
+            )
             results = await pipe.execute()
         self._seq += 1
         # A missing registry key means Redis lost our state (restart, flush): re-sync.
@@ -389,5 +421,6 @@ class Publisher:
         )
 
     def _encode(self, seq: int, events: Sequence[KVEvent]) -> bytes:
-        return encode_batch(EventBatch(self.config.worker_id, self.epoch, seq, time.time(),
-                                       tuple(events)))
+        return encode_batch(
+            EventBatch(self.config.worker_id, self.epoch, seq, time.time(), tuple(events))
+        )

@@ -202,7 +202,7 @@ class Scheduler:
         num_new = self._num_blocks_for(seq.num_tokens) - len(hits)
         if not self.pool.can_allocate(num_new, hits):
             return False
-        pass  #  allocating, so the allocation cannot evict a hit
+        self.pool.touch(hits)  # before allocating, so the allocation cannot evict a hit
         new = self.pool.allocate(num_new)
         if new is None:  # can_allocate said yes; keep the pool consistent regardless
             self.pool.free(reversed(hits))

@@ -12,6 +12,7 @@ import enum
 import itertools
 import math
 import time
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,29 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be integers, got {token_id!r}")
             if not 0 <= token_id < vocab_size:
                 raise ValueError(f"stop_token_ids: {token_id} is outside the vocabulary")
+
+
+def validate_prompt(
+    prompt_token_ids: SequenceOf[int], params: SamplingParams, vocab_size: int, max_model_len: int
+) -> list[int]:
+    """The prompt as a list, or ``ValueError`` saying what is wrong with the request."""
+    prompt = list(prompt_token_ids)
+    if not prompt:
+        raise ValueError("prompt must contain at least one token")
+    for token_id in prompt:
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise ValueError(f"prompt token ids must be integers, got {token_id!r}")
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(
+                f"prompt token id {token_id} is outside the vocabulary (size {vocab_size})"
+            )
+    params.validate(vocab_size)
+    if len(prompt) + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"max_model_len {max_model_len}"
+        )
+    return prompt
 
 
 @dataclass(frozen=True)

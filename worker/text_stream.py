@@ -57,8 +57,9 @@ class Detokenizer:
 class TextStream:
     """Detokenizes and applies stop strings; ``stopped`` turns True at the first match."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), *,
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Any, stop: Sequence[str] = (), *, skip_special_tokens: bool = True
+    ) -> None:
         self.detokenizer = Detokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
         self.stop = tuple(s for s in stop if s)
         self._hold = max((len(s) for s in self.stop), default=1) - 1
@@ -83,8 +84,7 @@ class TextStream:
         if self.stop:
             # Only the pending text can hold a new match: emitted text never ends
             # in more than the held-back length of any stop string's prefix.
-            cut = min((i for i in (self._pending.find(s) for s in self.stop) if i >= 0),
-                      default=-1)
+            cut = min((i for i in (self._pending.find(s) for s in self.stop) if i >= 0), default=-1)
             if cut >= 0:
                 out = self._pending[:cut]
                 self._pending = ""

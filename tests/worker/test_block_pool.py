@@ -149,7 +149,7 @@ def test_reset_refuses_while_in_use_then_clears_every_hash() -> None:
     assert pool.resident_hashes() == set()
     assert pool.match_prefix(hashes, tokens) == []
     # Reusing a cleared block evicts nothing.
-    assert pool.allocate(12) == list(range(2, 12)) + [1, 0]
+    assert pool.allocate(12) == [*range(2, 12), 1, 0]
     assert pool.take_events() == []
 
 

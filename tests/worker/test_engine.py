@@ -103,15 +103,17 @@ class Harness:
             sampler=Sampler(),
         )
 
-    async def run(self, rid: str, prompt: list[int], params: SamplingParams,
-                  **kw: Any) -> tuple[list[int], RequestOutput]:
-        tokens: list[int] = []
-        last = None
-        async for out in self.engine.generate(rid, prompt, params, **kw):
-            tokens += out.new_token_ids
-            last = out
-        assert last is not None and last.finished
-        return tokens, last
+    async def run(
+        self, rid: str, prompt: list[int], params: SamplingParams, **kw: Any
+    ) -> tuple[list[int], RequestOutput]:
+        outs = await asyncio.wait_for(self.collect(rid, prompt, params, **kw), 10)
+        assert outs[-1].finished
+        return [t for out in outs for t in out.new_token_ids], outs[-1]
+
+    async def collect(
+        self, rid: str, prompt: list[int], params: SamplingParams, **kw: Any
+    ) -> list[RequestOutput]:
+        return [out async for out in self.engine.generate(rid, prompt, params, **kw)]
 
     def index(self) -> set[int]:
         """The block set a gateway would hold after applying every event in order."""
@@ -180,12 +182,12 @@ async def test_cold_then_prefix_hit_match_the_reference(make: Callable[..., Harn
     assert timings.queue_s is not None and timings.e2e_s >= timings.ttft_s
 
 
-async def test_concurrent_chunked_and_preempted_requests_match(make: Callable[..., Harness]) -> None:
+async def test_concurrent_chunked_and_preempted_requests_match(
+    make: Callable[..., Harness],
+) -> None:
     h = make(FakeRunner(num_blocks=10), max_batch_tokens=5, max_num_seqs=4)
     prompts = [[1 + i, *range(10, 10 + 3 * i)] for i in range(6)]  # lengths 1..16
-    results = await asyncio.gather(
-        *(h.run(f"r{i}", p, greedy(8)) for i, p in enumerate(prompts))
-    )
+    results = await asyncio.gather(*(h.run(f"r{i}", p, greedy(8)) for i, p in enumerate(prompts)))
     for prompt, (tokens, out) in zip(prompts, results, strict=True):
         assert tokens == expected(prompt, 8)
         assert out.finish_reason == "length"
@@ -242,12 +244,9 @@ async def test_close_cancel_and_abort_free_everything(make: Callable[..., Harnes
     assert first.new_token_ids == expected([1, 2, 3, 4, 5], 1)
     await gen.aclose()
 
-    async def consume(rid: str) -> list[RequestOutput]:
-        return [out async for out in h.engine.generate(rid, [9] * 9, greedy(30))]
-
     runner.gate.clear()  # hold the engine mid-step so both requests are surely in flight
-    task = asyncio.create_task(consume("cancelled"))
-    aborted = asyncio.create_task(consume("aborted"))
+    task = asyncio.create_task(h.collect("cancelled", [9] * 9, greedy(30)))
+    aborted = asyncio.create_task(h.collect("aborted", [9] * 9, greedy(30)))
     await asyncio.sleep(0.05)
     task.cancel()
     assert h.engine.abort("aborted") is True
@@ -255,7 +254,7 @@ async def test_close_cancel_and_abort_free_everything(make: Callable[..., Harnes
     runner.gate.set()
     with pytest.raises(asyncio.CancelledError):
         await task
-    outs = await aborted
+    outs = await asyncio.wait_for(aborted, 10)
     assert outs[-1].finished and outs[-1].finish_reason == "abort"
     stats = await h.idle_stats()
     assert stats.requests_total == 3
@@ -322,8 +321,9 @@ async def test_runner_failure_fails_only_that_step(make: Callable[..., Harness])
         ([1], greedy(1, stop_token_ids=(VOCAB,)), "stop_token_ids"),
     ],
 )
-async def test_bad_input_is_a_value_error(make: Callable[..., Harness], prompt: list[int],
-                                          params: SamplingParams, match: str) -> None:
+async def test_bad_input_is_a_value_error(
+    make: Callable[..., Harness], prompt: list[int], params: SamplingParams, match: str
+) -> None:
     h = make()
     with pytest.raises(ValueError, match=match):
         await h.run("x", prompt, params)

@@ -67,21 +67,40 @@ async def wait_for(predicate, timeout: float = 5.0, what: str = "condition"):
 
 
 class Harness:
-    def __init__(self, url: str, resident: set[int] | None = None, queue_size: int = 1000,
-                 heartbeat: float = 0.2) -> None:
+    def __init__(
+        self,
+        url: str,
+        resident: set[int] | None = None,
+        queue_size: int = 1000,
+        heartbeat: float = 0.2,
+    ) -> None:
         self.url = url
         self.worker_id = "w-" + uuid.uuid4().hex[:8]
         self.layout = RedisLayout("t" + uuid.uuid4().hex[:10])
         self.queue = EventQueue(queue_size)
         self.engine = FakeEngine(self.queue, set(resident or ()))
         self.publisher = Publisher(
-            self.engine, self.queue,
-            PublisherConfig(redis_url=url, worker_id=self.worker_id,
-                            namespace=self.layout.namespace, heartbeat_interval=heartbeat,
-                            heartbeat_ttl=heartbeat * 3, retry_min_s=0.05, retry_max_s=0.2),
-            WorkerRecord(worker_id=self.worker_id, address="127.0.0.1:1", model="m",
-                         hash_spec={"model": "m", "block_size": 16}, block_size=16,
-                         num_blocks=64, max_model_len=2048))
+            self.engine,
+            self.queue,
+            PublisherConfig(
+                redis_url=url,
+                worker_id=self.worker_id,
+                namespace=self.layout.namespace,
+                heartbeat_interval=heartbeat,
+                heartbeat_ttl=heartbeat * 3,
+                retry_min_s=0.05,
+                retry_max_s=0.2,
+            ),
+            WorkerRecord(
+                worker_id=self.worker_id,
+                address="127.0.0.1:1",
+                model="m",
+                hash_spec={"model": "m", "block_size": 16},
+                block_size=16,
+                num_blocks=64,
+                max_model_len=2048,
+            ),
+        )
         self.redis = aioredis.from_url(url)
 
     async def members(self) -> set[int]:
@@ -119,8 +138,9 @@ async def _true(value: bool) -> bool:
 def test_net_effect_last_event_per_hash_wins() -> None:
     events = [BlockStored((1, 2, 3)), BlockRemoved((2,)), BlockStored((2,)), BlockRemoved((3,))]
     assert net_effect(events) == (False, {1, 2}, {3})
-    assert net_effect([BlockStored((1,)), AllBlocksCleared(), BlockStored((5,)),
-                       BlockRemoved((6,))]) == (True, {5}, set())
+    assert net_effect(
+        [BlockStored((1,)), AllBlocksCleared(), BlockStored((5,)), BlockRemoved((6,))]
+    ) == (True, {5}, set())
 
 
 def test_event_queue_overflow_drops_and_flags_once() -> None:
@@ -138,7 +158,11 @@ async def test_start_registers_clears_first_and_snapshots(harness: Harness) -> N
     record = await harness.record()
     assert record is not None
     assert (record.address, record.model, record.block_size, record.num_blocks) == (
-        "127.0.0.1:1", "m", 16, 64)
+        "127.0.0.1:1",
+        "m",
+        16,
+        64,
+    )
     assert record.epoch == harness.publisher.epoch and len(record.epoch) == 32
     assert record.hash_spec == {"model": "m", "block_size": 16}
     ttl = await harness.redis.pttl(harness.layout.worker(harness.worker_id))
@@ -190,12 +214,14 @@ async def test_overflow_sends_a_snapshot(redis_url: str) -> None:
 
 
 async def test_heartbeat_carries_load(harness: Harness) -> None:
-    harness.engine.load = FakeStats(running=3, waiting=2, queued_prefill_tokens=500,
-                                    free_blocks=7, prefill_tokens_per_s=1234.5)
+    harness.engine.load = FakeStats(
+        running=3, waiting=2, queued_prefill_tokens=500, free_blocks=7, prefill_tokens_per_s=1234.5
+    )
 
     async def updated():
         record = await harness.record()
         return record is not None and record.running == 3 and record
+
     record = await wait_for(updated, what="heartbeat with new load")
     assert (record.waiting, record.queued_prefill_tokens, record.free_blocks) == (2, 500, 7)
     assert record.prefill_tokens_per_s == pytest.approx(1234.5)
@@ -233,7 +259,8 @@ async def test_restart_of_a_worker_id_starts_a_new_epoch(redis_url: str) -> None
 
 
 async def test_redis_outage_then_restart_restores_set_and_registry(
-        redis_process: RedisProcess) -> None:
+    redis_process: RedisProcess,
+) -> None:
     h = Harness(redis_process.url, resident={1, 2})
     await h.publisher.start()
     try:
@@ -251,8 +278,9 @@ async def test_redis_outage_then_restart_restores_set_and_registry(
         assert await h.redis.pttl(h.layout.worker(h.worker_id)) > 0
         batches = await h.batches()
         assert batches[0].events[0] == AllBlocksCleared()
-        assert [b.seq for b in batches] == list(range(batches[0].seq,
-                                                      batches[0].seq + len(batches)))
+        assert [b.seq for b in batches] == list(
+            range(batches[0].seq, batches[0].seq + len(batches))
+        )
     finally:
         await h.close()
 

@@ -95,9 +95,9 @@ def test_fully_cached_prompt_recomputes_only_its_last_token() -> None:
     sched.add(c)
     batch = sched.schedule()
     assert c.num_cached_tokens == 8
-    assert [(ch.token_ids, ch.start_pos, ch.block_table, ch.need_logits) for ch in batch.chunks] == [
-        ([8], 7, [0, 1], True)
-    ]
+    assert [
+        (ch.token_ids, ch.start_pos, ch.block_table, ch.need_logits) for ch in batch.chunks
+    ] == [([8], 7, [0, 1], True)]
     sched.postprocess(batch, [5], now=0.0)
     assert_all_free(sched)
 

@@ -37,6 +37,8 @@ from worker.http_server import create_app, start_http_server
 from worker.metrics import WorkerMetrics
 from worker.publisher import EventQueue, Publisher, PublisherConfig
 
+pytestmark = pytest.mark.timeout(60)
+
 ROOT = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 80  # 1,280 tokens: one 1,000-token prompt fits, two evict each other
 BLOCK = 16
@@ -64,36 +66,61 @@ class Stack:
         self.layout = RedisLayout("t" + uuid.uuid4().hex[:10])
         self.spec = HashSpec(block_size=runner.block_size, model=model)
         self.queue = EventQueue()
-        self.engine = Engine(runner, EngineConfig(max_num_seqs=8, max_batch_tokens=2048),
-                             hash_spec=self.spec, on_events=self.queue.put)
+        self.engine = Engine(
+            runner,
+            EngineConfig(max_num_seqs=8, max_batch_tokens=2048),
+            hash_spec=self.spec,
+            on_events=self.queue.put,
+        )
         self.metrics = WorkerMetrics(self.engine, self.worker_id)
         self.publisher = Publisher(
-            self.engine, self.queue,
-            PublisherConfig(redis_url=redis_url, worker_id=self.worker_id,
-                            namespace=self.layout.namespace, heartbeat_interval=0.2,
-                            heartbeat_ttl=1.0, retry_min_s=0.05, retry_max_s=0.3),
-            WorkerRecord(self.worker_id, "", model=model, hash_spec=self.spec.describe(),
-                         block_size=BLOCK, num_blocks=self.engine.num_blocks,
-                         max_model_len=self.engine.max_model_len))
+            self.engine,
+            self.queue,
+            PublisherConfig(
+                redis_url=redis_url,
+                worker_id=self.worker_id,
+                namespace=self.layout.namespace,
+                heartbeat_interval=0.2,
+                heartbeat_ttl=1.0,
+                retry_min_s=0.05,
+                retry_max_s=0.3,
+            ),
+            WorkerRecord(
+                self.worker_id,
+                "",
+                model=model,
+                hash_spec=self.spec.describe(),
+                block_size=BLOCK,
+                num_blocks=self.engine.num_blocks,
+                max_model_len=self.engine.max_model_len,
+            ),
+        )
         self.tokenizer = tokenizer
         self.model = model
         self.redis = aioredis.from_url(redis_url)
 
     async def start(self) -> Stack:
         self.engine.start()
-        service = WorkerService(self.engine, worker_id=self.worker_id, hash_spec=self.spec,
-                                epoch=self.publisher.epoch)
+        service = WorkerService(
+            self.engine, worker_id=self.worker_id, hash_spec=self.spec, epoch=self.publisher.epoch
+        )
         self.grpc_server, self.grpc_port = await start_grpc_server(service, "127.0.0.1", 0)
-        app = create_app(self.engine, self.tokenizer, model_name=self.model,
-                         worker_id=self.worker_id, metrics=self.metrics)
+        app = create_app(
+            self.engine,
+            self.tokenizer,
+            model_name=self.model,
+            worker_id=self.worker_id,
+            metrics=self.metrics,
+        )
         self.http_runner, self.http_port = await start_http_server(app, "127.0.0.1", 0)
         self.publisher.update_record(address=f"127.0.0.1:{self.grpc_port}")
         await self.publisher.start()
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.grpc_port}")
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.http = aiohttp.ClientSession(f"http://127.0.0.1:{self.http_port}")
-        self.openai = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{self.http_port}/v1",
-                                         api_key="none", max_retries=0)
+        self.openai = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{self.http_port}/v1", api_key="none", max_retries=0
+        )
         return self
 
     async def close(self) -> None:
@@ -107,10 +134,12 @@ class Stack:
         await self.redis.aclose()
 
     async def generate(self, prompt: list[int], max_tokens: int = 4, **kw) -> list:
+        sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **kw}
         request = pb.GenerateRequest(
-            request_id=kw.pop("request_id", uuid.uuid4().hex), prompt_token_ids=prompt,
-            sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                       **kw))
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=prompt,
+            sampling=pb.SamplingParams(**sampling),
+        )
         return [chunk async for chunk in self.stub.Generate(request)]
 
     async def redis_set(self) -> set[int]:
@@ -180,8 +209,11 @@ async def test_shared_prefix_is_cached_and_redis_mirrors_the_pool(stack: Stack) 
 
 
 async def test_cancelled_call_aborts_and_frees_blocks(stack: Stack) -> None:
-    request = pb.GenerateRequest(request_id="r-cancel", prompt_token_ids=random_ids(100, 6),
-                                 sampling=pb.SamplingParams(max_tokens=1000, ignore_eos=True))
+    request = pb.GenerateRequest(
+        request_id="r-cancel",
+        prompt_token_ids=random_ids(100, 6),
+        sampling=pb.SamplingParams(max_tokens=1000, ignore_eos=True),
+    )
     call = stack.stub.Generate(request)
     first = await call.read()
     assert first.token_ids and stack.engine.stats().running == 1
@@ -191,27 +223,36 @@ async def test_cancelled_call_aborts_and_frees_blocks(stack: Stack) -> None:
 
 
 async def test_abort_rpc_finishes_the_stream_with_abort(stack: Stack) -> None:
-    request = pb.GenerateRequest(request_id="r-abort", prompt_token_ids=random_ids(50, 7),
-                                 sampling=pb.SamplingParams(max_tokens=1000, ignore_eos=True))
+    request = pb.GenerateRequest(
+        request_id="r-abort",
+        prompt_token_ids=random_ids(50, 7),
+        sampling=pb.SamplingParams(max_tokens=1000, ignore_eos=True),
+    )
     call = stack.stub.Generate(request)
     await call.read()
     assert (await stack.stub.Abort(pb.AbortRequest(request_id="r-abort"))).found
-    rest = [chunk async for chunk in call]
+    rest = []
+    while (chunk := await call.read()) is not grpc.aio.EOF:
+        rest.append(chunk)
     assert rest[-1].finished and rest[-1].finish_reason == "abort"
     assert rest[-1].usage.completion_tokens < 1000
     await stack.wait_idle()
     assert not (await stack.stub.Abort(pb.AbortRequest(request_id="nope"))).found
 
 
-@pytest.mark.parametrize(("prompt", "sampling", "needle"), [
-    ([5, 10**6], {}, "vocabulary"),
-    ([], {}, "at least one token"),
-    ([5, 6], {"top_p": 1.5}, "top_p"),
-    ([5, 6], {"temperature": -1.0}, "temperature"),
-    ([5] * 2000, {}, "max_model_len"),
-])
+@pytest.mark.parametrize(
+    ("prompt", "sampling", "needle"),
+    [
+        ([5, 10**6], {}, "vocabulary"),
+        ([], {}, "at least one token"),
+        ([5, 6], {"top_p": 1.5}, "top_p"),
+        ([5, 6], {"temperature": -1.0}, "temperature"),
+        ([5] * 2000, {}, "max_model_len"),
+    ],
+)
 async def test_bad_requests_are_invalid_argument_and_the_engine_keeps_going(
-        stack: Stack, prompt: list[int], sampling: dict, needle: str) -> None:
+    stack: Stack, prompt: list[int], sampling: dict, needle: str
+) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stack.generate(prompt, max_tokens=4, **sampling)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -220,14 +261,71 @@ async def test_bad_requests_are_invalid_argument_and_the_engine_keeps_going(
     assert ok[-1].finish_reason == "length"
 
 
+async def test_a_stopped_engine_answers_unavailable(stack: Stack) -> None:
+    stack.engine.shutdown()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.generate([5, 6, 7], max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    async with stack.http.post("/v1/completions", json={"prompt": "hi"}) as resp:
+        assert resp.status == 503
+        assert (await resp.json())["error"]["type"] == "service_unavailable"
+
+
 async def test_info_and_health(stack: Stack) -> None:
     info = await stack.stub.Info(pb.InfoRequest())
     assert (info.worker_id, info.model, info.block_size, info.num_blocks) == (
-        stack.worker_id, "tiny", BLOCK, NUM_BLOCKS)
+        stack.worker_id,
+        "tiny",
+        BLOCK,
+        NUM_BLOCKS,
+    )
     assert info.hash_spec.model == "tiny" and info.epoch == stack.publisher.epoch
     assert info.max_model_len == NUM_BLOCKS * BLOCK
     health = await stack.stub.Health(pb.HealthRequest())
     assert health.serving and health.free_blocks == NUM_BLOCKS and health.running == 0
+
+
+async def test_grpc_over_tls(runner, tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    engine = Engine(runner, EngineConfig(), hash_spec=HashSpec(BLOCK, "tiny"))
+    engine.start()
+    service = WorkerService(engine, worker_id="tls", hash_spec=HashSpec(BLOCK, "tiny"))
+    server, port = await start_grpc_server(service, "127.0.0.1", 0, tls_cert=cert, tls_key=key)
+    creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    try:
+        async with grpc.aio.secure_channel(f"localhost:{port}", creds) as channel:
+            health = await worker_pb2_grpc.WorkerStub(channel).Health(pb.HealthRequest())
+            assert health.serving and health.free_blocks == NUM_BLOCKS
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as plain:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await worker_pb2_grpc.WorkerStub(plain).Health(pb.HealthRequest(), timeout=2)
+    finally:
+        await server.stop(0)
+        engine.shutdown()
 
 
 # --- HTTP ---------------------------------------------------------------------------------
@@ -236,16 +334,24 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 
 async def test_chat_stream_matches_non_stream_and_reports_cached_tokens(stack: Stack) -> None:
-    args = dict(model="tiny", messages=CHAT, max_tokens=8, temperature=0,
-                extra_body={"ignore_eos": True, "some_unknown_field": {"x": 1}})
+    args = dict(
+        model="tiny",
+        messages=CHAT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True, "some_unknown_field": {"x": 1}},
+    )
     full = await stack.openai.chat.completions.create(**args)
     assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 8
-    prompt_ids = stack.tokenizer.encode(stack.tokenizer.apply_chat_template(
-        CHAT, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    prompt_ids = stack.tokenizer.encode(
+        stack.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
     assert full.usage.prompt_tokens == len(prompt_ids)
 
     stream = await stack.openai.chat.completions.create(
-        **args, stream=True, stream_options={"include_usage": True})
+        **args, stream=True, stream_options={"include_usage": True}
+    )
     chunks = [chunk async for chunk in stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -257,34 +363,75 @@ async def test_chat_stream_matches_non_stream_and_reports_cached_tokens(stack: S
 
 
 async def test_completions_stream_and_max_completion_tokens(stack: Stack) -> None:
-    stream = await stack.openai.completions.create(model="tiny", prompt="Once upon a time",
-                                                   max_tokens=5, temperature=0, stream=True,
-                                                   extra_body={"ignore_eos": True})
+    stream = await stack.openai.completions.create(
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     pieces = [c.choices[0].text async for c in stream if c.choices]
-    full = await stack.openai.completions.create(model="tiny", prompt="Once upon a time",
-                                                 max_tokens=5, temperature=0,
-                                                 extra_body={"ignore_eos": True})
+    full = await stack.openai.completions.create(
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert "".join(pieces) == full.choices[0].text
-    async with stack.http.post("/v1/completions", json={
-            "prompt": stack.tokenizer.encode("Once upon a time"), "max_completion_tokens": 3,
-            "temperature": 0, "ignore_eos": True, "logit_bias": {}, "whatever": 1}) as resp:
+    async with stack.http.post(
+        "/v1/completions",
+        json={
+            "prompt": stack.tokenizer.encode("Once upon a time"),
+            "max_completion_tokens": 3,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logit_bias": {},
+            "whatever": 1,
+        },
+    ) as resp:
         body = await resp.json()
     assert resp.status == 200 and body["usage"]["completion_tokens"] == 3
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # 4 tokens: no block
 
 
 async def test_raw_sse_ends_with_done(stack: Stack) -> None:
-    async with stack.http.post("/v1/chat/completions", json={
-            "messages": CHAT, "max_tokens": 3, "stream": True, "temperature": 0}) as resp:
+    async with stack.http.post(
+        "/v1/chat/completions",
+        json={"messages": CHAT, "max_tokens": 3, "stream": True, "temperature": 0},
+    ) as resp:
         raw = (await resp.read()).decode()
     assert resp.headers["Content-Type"].startswith("text/event-stream")
     events = [e for e in raw.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
 
 
+async def test_http_client_disconnect_aborts_the_request(stack: Stack) -> None:
+    async with stack.http.post(
+        "/v1/completions",
+        json={
+            "prompt": "tell me everything",
+            "max_tokens": 1000,
+            "stream": True,
+            "ignore_eos": True,
+        },
+    ) as resp:
+        assert (await resp.content.readline()).startswith(b"data: ")
+        assert stack.engine.stats().running == 1
+        resp.close()  # drop the connection mid-stream
+    await stack.wait_idle()
+    assert stack.engine.stats().running == 0
+
+
 async def test_stop_string_truncates_and_frees(stack: Stack) -> None:
-    args = dict(model="tiny", prompt="The weather today", max_tokens=16, temperature=0,
-                extra_body={"ignore_eos": True})
+    args = dict(
+        model="tiny",
+        prompt="The weather today",
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     text = (await stack.openai.completions.create(**args)).choices[0].text
     assert len(text) >= 8
     stop = text[4:7]
@@ -303,8 +450,9 @@ async def test_tokenize_render_and_helper_endpoints(stack: Stack) -> None:
     async with stack.http.post("/detokenize", json={"tokens": body["tokens"]}) as resp:
         assert (await resp.json())["prompt"] == "hello world"
     rendered = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
-    async with stack.http.post("/v1/chat/completions/render",
-                               json={"model": "tiny", "messages": CHAT}) as resp:
+    async with stack.http.post(
+        "/v1/chat/completions/render", json={"model": "tiny", "messages": CHAT}
+    ) as resp:
         body = await resp.json()
     assert body["token_ids"] == tok.encode(rendered, add_special_tokens=False)
     assert body["prompt"] == rendered
@@ -322,17 +470,21 @@ async def test_tokenize_render_and_helper_endpoints(stack: Stack) -> None:
             assert resp.status == 404
 
 
-@pytest.mark.parametrize(("path", "payload", "param"), [
-    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
-    ("/v1/chat/completions", {"messages": CHAT, "n": 2}, "n"),
-    ("/v1/chat/completions", {"messages": CHAT, "stop": 5}, "stop"),
-    ("/v1/completions", {"prompt": ""}, "prompt"),
-    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
-    ("/v1/completions", {"prompt": [1, 10**7]}, None),
-    ("/v1/completions", {"prompt": "x", "top_p": 2}, None),
-])
-async def test_bad_http_input_is_an_openai_shaped_400(stack: Stack, path: str, payload: dict,
-                                                      param: str | None) -> None:
+@pytest.mark.parametrize(
+    ("path", "payload", "param"),
+    [
+        ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {"messages": CHAT, "n": 2}, "n"),
+        ("/v1/chat/completions", {"messages": CHAT, "stop": 5}, "stop"),
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": [1, 10**7]}, None),
+        ("/v1/completions", {"prompt": "x", "top_p": 2}, None),
+    ],
+)
+async def test_bad_http_input_is_an_openai_shaped_400(
+    stack: Stack, path: str, payload: dict, param: str | None
+) -> None:
     async with stack.http.post(path, json=payload) as resp:
         body = await resp.json()
     assert resp.status == 400
@@ -345,23 +497,31 @@ async def test_bad_http_input_is_an_openai_shaped_400(stack: Stack, path: str, p
 
 
 async def test_metrics_expose_every_documented_name(stack: Stack) -> None:
-    await stack.openai.completions.create(model="tiny", prompt="a b c", max_tokens=3,
-                                          extra_body={"ignore_eos": True})
-    documented = set(re.findall(r"`(kvroute_worker_[a-z_]+)`",
-                                (ROOT / "docs" / "INTERFACES.md").read_text()))
+    await stack.openai.completions.create(
+        model="tiny", prompt="a b c", max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    documented = set(
+        re.findall(r"`(kvroute_worker_[a-z0-9_]+)`", (ROOT / "docs" / "INTERFACES.md").read_text())
+    )
     assert len(documented) == 13
-    async with stack.http.get("/metrics") as resp:
-        text = await resp.text()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            assert sample.labels.get("worker_id") == stack.worker_id
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    wid = ("worker_id", stack.worker_id)
+    finished = ("kvroute_worker_requests_total", (("finish_reason", "length"), wid))
+    deadline = time.monotonic() + 5
+    while True:  # the engine records a finished request just after its last output
+        async with stack.http.get("/metrics") as resp:
+            text = await resp.text()
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                assert sample.labels.get("worker_id") == stack.worker_id
+                samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        if samples[finished] or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.02)
     names = {name for name, _ in samples}
     exposed = names | {n.removesuffix("_count") for n in names}
     assert documented <= exposed, documented - exposed
-    wid = ("worker_id", stack.worker_id)
-    assert samples[("kvroute_worker_requests_total", (("finish_reason", "length"), wid))] == 1
+    assert samples[finished] == 1
     assert samples[("kvroute_worker_generation_tokens_total", (wid,))] == 3
     assert samples[("kvroute_worker_ttft_seconds_count", (wid,))] == 1
     assert samples[("kvroute_worker_inter_token_latency_seconds_count", (wid,))] == 2
@@ -372,7 +532,8 @@ async def test_metrics_expose_every_documented_name(stack: Stack) -> None:
 
 
 async def test_killing_redis_does_not_fail_requests_and_restart_restores_state(
-        runner, tokenizer, redis_process: RedisProcess) -> None:
+    runner, tokenizer, redis_process: RedisProcess
+) -> None:
     s = await Stack(runner, tokenizer, redis_process.url).start()
     try:
         await s.generate(random_ids(64, 8), max_tokens=2)
@@ -398,11 +559,19 @@ async def test_smollm2_chat_over_http(smollm2: Path, redis_url: str) -> None:
     from worker.model_runner import ModelRunner
 
     model_runner = ModelRunner(smollm2, block_size=BLOCK, num_blocks=64)
-    s = await Stack(model_runner, AutoTokenizer.from_pretrained(smollm2), redis_url,
-                    model="SmolLM2-135M-Instruct").start()
+    s = await Stack(
+        model_runner,
+        AutoTokenizer.from_pretrained(smollm2),
+        redis_url,
+        model="SmolLM2-135M-Instruct",
+    ).start()
     try:
-        args = dict(model="SmolLM2-135M-Instruct", max_tokens=8, temperature=0,
-                    messages=[{"role": "user", "content": "What is the capital of France?"}])
+        args = dict(
+            model="SmolLM2-135M-Instruct",
+            max_tokens=8,
+            temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
         first = await s.openai.chat.completions.create(**args)
         again = await s.openai.chat.completions.create(**args)
         assert "Paris" in first.choices[0].message.content
@@ -415,23 +584,53 @@ async def test_smollm2_chat_over_http(smollm2: Path, redis_url: str) -> None:
 
 
 def test_kvroute_worker_command_serves_registers_and_deregisters_on_sigterm(
-        tiny_llama: Path, redis_url: str, tmp_path: Path) -> None:
+    tiny_llama: Path, redis_url: str, tmp_path: Path
+) -> None:
     grpc_port, http_port = free_port(), free_port()
     namespace, worker_id = "t" + uuid.uuid4().hex[:10], "sub-" + uuid.uuid4().hex[:6]
     layout = RedisLayout(namespace)
     log = tmp_path / "worker.log"
+    system = tmp_path / "system.txt"
+    system.write_text("You are a careful assistant. " * 8)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvroute_cli", "worker", "--model", str(tiny_llama),
-         "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-         "--worker-id", worker_id, "--num-blocks", "64", "--heartbeat-interval", "0.2",
-         "--heartbeat-ttl", "2", "--log-level", "INFO"],
-        cwd=ROOT, env={**os.environ, "KVROUTE_REDIS_URL": redis_url,
-                       "KVROUTE_REDIS_NAMESPACE": namespace},
-        stdout=subprocess.DEVNULL, stderr=log.open("w"))
+        [
+            sys.executable,
+            "-m",
+            "kvroute_cli",
+            "worker",
+            "--model",
+            str(tiny_llama),
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            str(grpc_port),
+            "--http-port",
+            str(http_port),
+            "--worker-id",
+            worker_id,
+            "--num-blocks",
+            "64",
+            "--heartbeat-interval",
+            "0.2",
+            "--heartbeat-ttl",
+            "2",
+            "--log-level",
+            "INFO",
+            "--pin-system-prompt",
+            str(system),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "KVROUTE_REDIS_URL": redis_url, "KVROUTE_REDIS_NAMESPACE": namespace},
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+    )
     client = redis.Redis.from_url(redis_url)
     try:
-        raw = wait_until(lambda: proc.poll() is None and client.hgetall(layout.worker(worker_id)),
-                         timeout=90, what="worker registered")
+        raw = wait_until(
+            lambda: proc.poll() is None and client.hgetall(layout.worker(worker_id)),
+            timeout=90,
+            what="worker registered",
+        )
         record = WorkerRecord.from_mapping(raw)
         assert record.address == f"127.0.0.1:{grpc_port}"
         assert record.http_address == f"127.0.0.1:{http_port}"
@@ -441,21 +640,32 @@ def test_kvroute_worker_command_serves_registers_and_deregisters_on_sigterm(
         async def talk() -> None:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
                 stub = worker_pb2_grpc.WorkerStub(channel)
-                request = pb.GenerateRequest(prompt_token_ids=random_ids(40, 10),
-                                             sampling=pb.SamplingParams(max_tokens=3,
-                                                                        ignore_eos=True))
+                request = pb.GenerateRequest(
+                    prompt_token_ids=random_ids(40, 10),
+                    sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True),
+                )
                 chunks = [c async for c in stub.Generate(request)]
                 assert chunks[-1].usage.completion_tokens == 3
-            async with aiohttp.ClientSession() as http, http.get(
-                    f"http://127.0.0.1:{http_port}/health") as resp:
-                assert resp.status == 200
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{http_port}") as http:
+                async with http.get("/health") as resp:
+                    assert resp.status == 200
+                async with http.get("/metrics") as resp:
+                    metrics = await resp.text()
+            pinned = re.search(
+                r'kvroute_worker_blocks\{state="pinned",worker_id="[^"]+"\} (\S+)', metrics
+            )
+            assert pinned and float(pinned.group(1)) >= 3  # ~70-token system message
 
         asyncio.run(talk())
         assert {int(m) for m in client.smembers(layout.blocks(worker_id))}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        assert client.exists(layout.worker(worker_id), layout.blocks(worker_id),
-                             layout.events(worker_id)) == 0
+        assert (
+            client.exists(
+                layout.worker(worker_id), layout.blocks(worker_id), layout.events(worker_id)
+            )
+            == 0
+        )
         stderr = log.read_text()
         assert f"grpc_port={grpc_port} http_port={http_port}" in stderr
         assert "deregistered" in stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -10,38 +12,46 @@ from worker.config import config_from_args, env_name
 
 
 def test_flags_win_over_env_and_env_over_defaults(tmp_path: Path) -> None:
-    env = {"KVROUTE_REDIS_URL": "redis://:pw@redis:6380/2", "KVROUTE_GRPC_PORT": "7000",
-           "KVROUTE_BLOCK_SIZE": "32"}
-    cfg = config_from_args(["--model", str(tmp_path), "--grpc-port", "7001", "--dtype", "bf16"],
-                           env)
+    env = {
+        "KVROUTE_REDIS_URL": "redis://:pw@redis:6380/2",
+        "KVROUTE_GRPC_PORT": "7000",
+        "KVROUTE_BLOCK_SIZE": "32",
+    }
+    cfg = config_from_args(
+        ["--model", str(tmp_path), "--grpc-port", "7001", "--dtype", "bf16"], env
+    )
     assert cfg.redis_url == "redis://:pw@redis:6380/2"
     assert (cfg.grpc_port, cfg.block_size, cfg.dtype) == (7001, 32, "bfloat16")
     assert cfg.served_model_name == tmp_path.name  # the folder name is the default
-    assert cfg.worker_id.endswith(f"-{__import__('os').getpid()}")
+    assert cfg.worker_id.endswith(f"-{os.getpid()}")
     assert (cfg.http_port, cfg.heartbeat_interval, cfg.heartbeat_ttl) == (8000, 1.0, 3.0)
     assert env_name("--pin-system-prompt") == "KVROUTE_PIN_SYSTEM_PROMPT"
 
 
 def test_alias_and_gguf_names() -> None:
     assert config_from_args(["--model", "smollm2"], {}).served_model_name == (
-        "SmolLM2-135M-Instruct")
+        "SmolLM2-135M-Instruct"
+    )
     assert config_from_args(["--model", "/m/q4.gguf"], {}).served_model_name == "q4"
 
 
-@pytest.mark.parametrize(("argv", "flag"), [
-    ([], "--model"),
-    (["--grpc-port", "70000"], "--grpc-port"),
-    (["--grpc-port", "x"], "--grpc-port"),
-    (["--heartbeat-ttl", "0.5"], "--heartbeat-ttl"),
-    (["--redis-url", "http://x"], "--redis-url"),
-    (["--redis-namespace", "a:b"], "--redis-namespace"),
-    (["--kv-cache-dtype", "int4"], "--kv-cache-dtype"),
-    (["--device", "tpu"], "--device"),
-    (["--memory-fraction", "1.5"], "--memory-fraction"),
-    (["--tls-cert", "/nope.pem"], "--tls-cert"),
-    (["--pin-system-prompt", "/nope.txt"], "--pin-system-prompt"),
-    (["--block-size", "0"], "--block-size"),
-])
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        ([], "--model"),
+        (["--grpc-port", "70000"], "--grpc-port"),
+        (["--grpc-port", "x"], "--grpc-port"),
+        (["--heartbeat-ttl", "0.5"], "--heartbeat-ttl"),
+        (["--redis-url", "http://x"], "--redis-url"),
+        (["--redis-namespace", "a:b"], "--redis-namespace"),
+        (["--kv-cache-dtype", "int4"], "--kv-cache-dtype"),
+        (["--device", "tpu"], "--device"),
+        (["--memory-fraction", "1.5"], "--memory-fraction"),
+        (["--tls-cert", "/nope.pem"], "--tls-cert"),
+        (["--pin-system-prompt", "/nope.txt"], "--pin-system-prompt"),
+        (["--block-size", "0"], "--block-size"),
+    ],
+)
 def test_bad_values_name_the_flag(argv: list[str], flag: str) -> None:
     base = [] if not argv else ["--model", "m"]
     with pytest.raises(ValueError, match=flag):
@@ -51,3 +61,12 @@ def test_bad_values_name_the_flag(argv: list[str], flag: str) -> None:
 def test_bad_env_value_names_the_flag() -> None:
     with pytest.raises(ValueError, match="--num-blocks"):
         config_from_args(["--model", "m"], {"KVROUTE_NUM_BLOCKS": "lots"})
+
+
+def test_advertised_host() -> None:
+    base = ["--model", "m"]
+    assert config_from_args([*base, "--host", "127.0.0.1"], {}).advertised_host == "127.0.0.1"
+    explicit = config_from_args([*base, "--advertise-host", "pod-3.svc"], {})
+    assert explicit.advertised_host == "pod-3.svc"
+    wildcard = config_from_args(base, {}).advertised_host  # --host defaults to 0.0.0.0
+    assert wildcard not in ("", "0.0.0.0") and socket.gethostbyname(wildcard) == wildcard
