@@ -23,6 +23,7 @@ from gateway.auth import ANONYMOUS, Tenant
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.dispatch import Job, Stream
 from gateway.errors import APIError
+from gateway.prefix_tokens import Prompt
 from gateway.protocol import (
     SamplingRequest,
     chat_chunk,
@@ -70,8 +71,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise APIError(
             400, f"the chat template rejected the messages: {exc}", param="messages"
         ) from exc
-    ids = await state.tokenizer.aencode_rendered(text)
-    return await _generate(request, state, req.sampling, ids, started, chat=True)
+    prompt = await state.tokenizer.aencode_rendered(text)
+    return await _generate(request, state, req.sampling, prompt, started, messages=req.messages)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -80,12 +81,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = parse_completion(await read_json(request))
     _check_model(state, req.sampling.model)
     if isinstance(req.prompt, str):
-        ids = await state.tokenizer.aencode_prompt(req.prompt)
+        prompt = await state.tokenizer.aencode_prompt(req.prompt)
     else:
-        ids = list(req.prompt)
-        if max(ids) >= state.tokenizer.vocab_size:
+        prompt = Prompt(list(req.prompt))
+        if max(prompt.ids) >= state.tokenizer.vocab_size:
             raise APIError(400, "a prompt token id is outside the vocabulary", param="prompt")
-    return await _generate(request, state, req.sampling, ids, started, chat=False)
+    return await _generate(request, state, req.sampling, prompt, started, messages=None)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -128,11 +129,13 @@ async def _generate(
     request: web.Request,
     state: GatewayState,
     s: SamplingRequest,
-    ids: list[int],
+    prompt: Prompt,
     started: float,
     *,
-    chat: bool,
+    messages: tuple[dict[str, Any], ...] | None,
 ) -> web.StreamResponse:
+    chat = messages is not None
+    ids = prompt.ids
     if not ids:
         raise APIError(400, "the prompt is empty", param="prompt")
     limit = state.dispatcher.max_model_len(state.tokenizer.max_model_len)
@@ -156,7 +159,7 @@ async def _generate(
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     job = Job(
         request_id=rid,
-        prompt_ids=ids,
+        prompt=prompt,
         sampling=_sampling_pb(s, max_tokens),
         tenant=tenant,
         session_key=_session_key(request, s, tenant),
@@ -164,12 +167,19 @@ async def _generate(
     )
     stream = await state.dispatcher.open(job)
     relay = _Relay(state, stream, s, ids)
+    text, finish = "", "stop"
     try:
         if s.stream:
-            return await relay.sse(request, rid, chat)
-        text, finish = await relay.collect()
+            resp = await relay.sse(request, rid, chat)
+        else:
+            text, finish = await relay.collect()
     finally:
         stream.close(relay.cached_tokens)
+    if messages is not None:
+        # Off the request's path: the next turn will resend this answer; tokenize it now.
+        state.spawn(state.tokenizer.remember_answer(messages, relay.detok.output_text))
+    if s.stream:
+        return resp
     usage = relay.usage()
     body = (chat_response if chat else completion_response)(
         rid, state.config.model_name, text, finish, usage

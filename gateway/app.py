@@ -10,7 +10,6 @@ index mirror runs as a background task owned by ``cleanup_ctx``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -128,9 +127,12 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     task = asyncio.create_task(state.mirror.run(), name="kvroute-index-mirror")
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    tasks = {task, *state.background}
+    while tasks:
+        # Cancel again until done: a library that swallowed one cancellation gets another.
+        for t in tasks:
+            t.cancel()
+        _, tasks = await asyncio.wait(tasks, timeout=1.0)
     await state.clients.close()
 
 

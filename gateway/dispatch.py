@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from contract import worker_pb2
-from contract.hashing import HashSpec, block_hashes
+from contract.hashing import HashSpec
 from gateway.auth import Tenant
 from gateway.errors import APIError
 from gateway.index import BlockIndex
 from gateway.metrics import GatewayMetrics
 from gateway.mirror import IndexMirror, WorkerEntry
+from gateway.prefix_tokens import Prompt
 from gateway.proxy import WorkerClients
 from gateway.router import Decision, Router, RouteRequest, WorkerState
 from gateway.sessions import SessionMap
@@ -54,11 +55,15 @@ class Job:
     """One generation request, tokenized and ready to route."""
 
     request_id: str
-    prompt_ids: list[int]
+    prompt: Prompt
     sampling: worker_pb2.SamplingParams
     tenant: Tenant
     session_key: str | None
     started: float  # perf_counter() when the HTTP request arrived
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompt.ids
 
 
 @dataclass
@@ -197,7 +202,7 @@ class Dispatcher:
                 continue
             spec = e.spec.with_salt(job.tenant.cache_salt)
             if spec not in chains:
-                chains[spec] = block_hashes(job.prompt_ids, spec)
+                chains[spec] = job.prompt.block_hashes(spec)
             hashes_of[e.record.worker_id] = chains[spec]
         now = time.monotonic()
         cached: dict[str, int] = {}

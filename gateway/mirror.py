@@ -73,6 +73,18 @@ def _stream_key(stream_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+def _raise_if_cancelled() -> None:
+    """Re-raises a cancellation that a library swallowed.
+
+    redis-py can catch the ``CancelledError`` meant for a command and carry on;
+    the task's ``cancelling()`` count still says it was cancelled, so loops
+    check it and stop instead of running forever (and hanging shutdown).
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -118,18 +130,14 @@ class IndexMirror:
                     entry.loaded = False  # anything may have changed while we were away
                 await self.sync_registry(client)
                 self.has_snapshot = True
-                async with asyncio.TaskGroup() as group:
-                    group.create_task(self._poll_loop(client))
-                    group.create_task(self._tail_loop(client))
-            except* (RedisError, OSError) as group_exc:
+                _raise_if_cancelled()
+                await self._follow(client)
+            except (RedisError, OSError) as exc:
                 if self.redis_ok:
-                    logger.warning(
-                        "redis unavailable (%s); serving from the last mirror",
-                        group_exc.exceptions[0],
-                    )
+                    logger.warning("redis unavailable (%s); serving from the last mirror", exc)
                 self.redis_ok = False
                 self.reconnects += 1
-            except* Exception:
+            except Exception:
                 # A bug must not stop the mirror for good: log it, reconnect, reload.
                 logger.exception("index mirror failed; restarting it")
                 self.redis_ok = False
@@ -137,8 +145,29 @@ class IndexMirror:
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await client.aclose()
+            _raise_if_cancelled()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, _MAX_BACKOFF_S)
+
+    async def _follow(self, client: aioredis.Redis) -> None:
+        """Polls the registry and tails the streams until either fails.
+
+        Two plain tasks rather than a TaskGroup: on Python 3.11 a TaskGroup whose
+        child fails leaves its parent marked as cancelled, which would stop the
+        reconnect loop for good.
+        """
+        tasks = {
+            asyncio.create_task(self._poll_loop(client)),
+            asyncio.create_task(self._tail_loop(client)),
+        }
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+        for task in done:
+            task.result()  # raises the failure that ended the wait
 
     # -- discovery and load ----------------------------------------------------
 
@@ -147,6 +176,7 @@ class IndexMirror:
             await asyncio.sleep(self.poll_s)
             await self.sync_registry(client)
             self.index.prune(time.monotonic())
+            _raise_if_cancelled()
 
     async def sync_registry(self, client: aioredis.Redis) -> None:
         """One discovery pass: registry keys in, dead workers out, new ones loaded."""
@@ -218,6 +248,7 @@ class IndexMirror:
 
     async def _tail_loop(self, client: aioredis.Redis) -> None:
         while True:
+            _raise_if_cancelled()
             owners = {self.layout.events(wid): wid for wid, e in self.workers.items() if e.loaded}
             streams: dict[Any, Any] = {
                 key: self.workers[wid].stream_id for key, wid in owners.items()

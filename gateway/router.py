@@ -176,10 +176,10 @@ class Router:
             chosen = self._least_loaded_rotating(tied)
             if chosen.cached_blocks > 0:
                 reason = "cache"
-            elif len(tied) == 1 or len({worker_load(w) for w in tied}) > 1:
-                reason = "load"
+            elif len(ws) > 1 and (len(tied) == 1 or len({worker_load(w) for w in tied}) > 1):
+                reason = "load"  # queues and running work decided
             else:
-                reason = "fallback"  # nothing told the workers apart
+                reason = "fallback"  # nothing told the workers apart (or there was one)
         # A better-cached worker passed over for its load is a spill: say so.
         if any(w.cached_blocks > chosen.cached_blocks for w in ws) and reason != "session":
             reason = "load"

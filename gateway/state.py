@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -33,6 +36,13 @@ class GatewayState:
     dispatcher: Dispatcher
     api_keys: ApiKeys | None
     started_at: int
+    background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Runs ``coro`` as a task the app keeps a reference to until it is done."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     def ready(self) -> bool:
         """Has Redis or a mirror loaded from it, and at least one healthy worker."""
@@ -42,5 +52,5 @@ class GatewayState:
 
 
 STATE = web.AppKey("state", GatewayState)
-TENANT = "kvroute.tenant"  # request-scoped key (aiohttp request keys are plain strings)
+TENANT = web.RequestKey("tenant", Tenant)  # set by the auth middleware
 __all__ = ["STATE", "TENANT", "GatewayState", "Tenant"]

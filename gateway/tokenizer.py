@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.prefix_tokens import PrefixTokenCache
+from gateway.prefix_tokens import PrefixTokenCache, Prompt
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +80,14 @@ class ChatTokenizer:
 
     # -- rendering and encoding ---------------------------------------------------
 
-    def render(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> str:
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
         """The chat template applied to ``messages``, ending with the assistant's prompt."""
         text = self.tokenizer.apply_chat_template(
             [dict(m) for m in messages],
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             tokenize=False,
-            **template_kwargs,
         )
         if not isinstance(text, str):
             raise ValueError("the chat template did not render to text")
@@ -103,30 +104,63 @@ class ChatTokenizer:
         text = self.render(messages)
         if self.prefix_cache is None:
             return self.encode_text(text)
-        return self.prefix_cache.encode(text, self.encode_text)
+        return self.prefix_cache.encode(text, self.encode_text).ids
 
-    async def aencode_rendered(self, text: str) -> list[int]:
+    async def aencode_rendered(self, text: str) -> Prompt:
         """Ids of an already rendered chat; a long uncached suffix goes to an executor."""
         cache = self.prefix_cache
-        plan = cache.plan(text) if cache is not None else None
-        cut = plan.cut if plan is not None else 0
-        suffix = text[cut:]
-        if len(suffix) >= self.executor_min_chars:
-            loop = asyncio.get_running_loop()
-            new = await loop.run_in_executor(None, self.encode_text, suffix)
-        else:
-            new = self.encode_text(suffix)
-        ids = (plan.prefix_ids + new) if plan is not None else new
-        if cache is not None:
-            cache.remember(text, ids)
-        return ids
+        if cache is None:
+            return Prompt(await self._encode_maybe_off_loop(text))
+        plan = cache.plan(text)
+        ids = plan.prefix_ids + await self._encode_maybe_off_loop(text[plan.cut :])
+        return Prompt(ids, plan.entry, cache.remember(text, ids))
 
-    async def aencode_prompt(self, text: str) -> list[int]:
+    async def aencode_prompt(self, text: str) -> Prompt:
         """Ids of a plain completion prompt (the tokenizer's own special tokens added)."""
         if len(text) >= self.executor_min_chars:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(None, self._encode_prompt, text)
-        return self._encode_prompt(text)
+            return Prompt(await loop.run_in_executor(None, self._encode_prompt, text))
+        return Prompt(self._encode_prompt(text))
+
+    async def _encode_maybe_off_loop(self, text: str) -> list[int]:
+        if len(text) >= self.executor_min_chars:
+            return await asyncio.get_running_loop().run_in_executor(None, self.encode_text, text)
+        return self.encode_text(text)
+
+    async def remember_answer(self, messages: Sequence[Mapping[str, Any]], answer: str) -> None:
+        """Pre-tokenizes the chat as the client's next turn will resend it.
+
+        Called after a response went out. The history plus this answer is
+        rendered followed by a placeholder user message (templates such as
+        Qwen3's render a final assistant message differently from one in the
+        middle); the text before that user message's marker is exactly a
+        prefix of the next turn's text, so that turn tokenizes only its new
+        message. A client that edits the answer just misses this entry.
+        """
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        history = [
+            *messages,
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": ""},
+        ]
+        try:
+            text = self.render(history)
+        except Exception as exc:  # a template may refuse the placeholder message
+            logger.debug("not pre-tokenizing an answer: %s", exc)
+            return
+        gen = text.rfind(cache.marker)
+        user = text.rfind(cache.marker, 0, gen)
+        if user <= 0:
+            return
+        prefix = text[: user + len(cache.marker)]
+        plan = cache.plan(prefix)
+        ids = plan.prefix_ids + await self._encode_maybe_off_loop(prefix[plan.cut :])
+        prompt = Prompt(ids, plan.entry, cache.remember(prefix, ids))
+        # Extend the block-hash chains too, so the next turn hashes only its new blocks.
+        for spec in list(plan.entry.chains) if plan.entry is not None else []:
+            prompt.block_hashes(spec)
 
     def _encode_prompt(self, text: str) -> list[int]:
         return self.encode_text(text, add_special_tokens=True)

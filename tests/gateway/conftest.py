@@ -26,6 +26,7 @@ from tests.gateway.helpers import eventually, namespace
 
 MODEL = "SmolLM2-135M-Instruct"
 SPEC = HashSpec(block_size=16, model=MODEL)
+HELLO_CACHED = [{"role": "user", "content": "a prompt of a few blocks " * 8}]
 
 
 @pytest.fixture(scope="session")
@@ -48,13 +49,20 @@ class Harness:
     def state(self) -> GatewayState:
         return self.app[STATE]
 
-    async def add_worker(self, worker_id: str, reply: str = "Hello world", *,
-                         wait: bool = True, max_model_len: int = 2048,
-                         **fake: Any) -> tuple[FakeWorker, FakeRegistration]:
-        ids = self.tok.encode_text(reply) + [2]  # then <|im_end|>, as the model would
+    async def add_worker(
+        self,
+        worker_id: str,
+        reply: str = "Hello world",
+        *,
+        wait: bool = True,
+        max_model_len: int = 2048,
+        **fake: Any,
+    ) -> tuple[FakeWorker, FakeRegistration]:
+        ids = [*self.tok.encode_text(reply), 2]  # then <|im_end|>, as the model would
         worker = await FakeWorker(worker_id, ids, **fake).start()
-        reg = FakeRegistration(self.redis, self.layout, worker_id, worker.address, SPEC,
-                               max_model_len=max_model_len)
+        reg = FakeRegistration(
+            self.redis, self.layout, worker_id, worker.address, SPEC, max_model_len=max_model_len
+        )
         await reg.register()
         self.workers[worker_id] = (worker, reg)
         if wait:
@@ -62,8 +70,7 @@ class Harness:
         return worker, reg
 
     def chat_hashes(self, messages: list[dict[str, str]], salt: str = "") -> list[int]:
-        return block_hashes(self.tok.encode_text(self.tok.render(messages)),
-                            SPEC.with_salt(salt))
+        return block_hashes(self.tok.encode_text(self.tok.render(messages)), SPEC.with_salt(salt))
 
     async def chat(self, messages: list[dict[str, str]], **extra: Any) -> Any:
         headers = extra.pop("headers", None)
@@ -75,19 +82,23 @@ MakeGateway = Callable[..., Awaitable[Harness]]
 
 
 @pytest.fixture
-async def make_gateway(redis_url: str, chat_tok: ChatTokenizer,
-                       smollm2: Path) -> AsyncIterator[MakeGateway]:
+async def make_gateway(
+    redis_url: str, chat_tok: ChatTokenizer, smollm2: Path
+) -> AsyncIterator[MakeGateway]:
     made: list[Harness] = []
 
     async def make(**overrides: Any) -> Harness:
-        config = GatewayConfig(model_dir=smollm2, redis_url=redis_url,
-                               redis_namespace=namespace(), registry_poll_s=0.05)
+        config = GatewayConfig(
+            model_dir=smollm2,
+            redis_url=redis_url,
+            redis_namespace=namespace(),
+            registry_poll_s=0.05,
+        )
         config = replace(config, **overrides)
         app = create_app(config, tokenizer=chat_tok)
         client = TestClient(TestServer(app))
         await client.start_server()
-        harness = Harness(client, app, aioredis.Redis.from_url(redis_url), config.layout,
-                          chat_tok)
+        harness = Harness(client, app, aioredis.Redis.from_url(redis_url), config.layout, chat_tok)
         made.append(harness)
         return harness
 
@@ -116,7 +127,7 @@ async def read_sse(resp: Any) -> list[Any]:
         while "\n\n" in buffer:
             event, buffer = buffer.split("\n\n", 1)
             assert event.startswith("data: "), event
-            data = event[len("data: "):]
+            data = event[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     with contextlib.suppress(Exception):
         resp.release()

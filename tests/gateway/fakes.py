@@ -33,9 +33,16 @@ from contract.redis_layout import EVENT_FIELD, RedisLayout, WorkerRecord
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
     """Answers every ``Generate`` with ``reply_ids``, one token per chunk."""
 
-    def __init__(self, worker_id: str, reply_ids: Sequence[int] = (), *, cached_tokens: int = 0,
-                 fail: grpc.StatusCode | None = None, delay_s: float = 0.0,
-                 finish_reason: str = "stop") -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        reply_ids: Sequence[int] = (),
+        *,
+        cached_tokens: int = 0,
+        fail: grpc.StatusCode | None = None,
+        delay_s: float = 0.0,
+        finish_reason: str = "stop",
+    ) -> None:
         self.worker_id = worker_id
         self.reply_ids = list(reply_ids)
         self.cached_tokens = cached_tokens
@@ -64,8 +71,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             await self.server.stop(grace=None)
             self.server = None
 
-    async def Generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         self.requests.append(request)
         if self.fail is not None:
             await context.abort(self.fail, "scripted failure")
@@ -75,8 +83,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 last = i == n - 1
-                msg = pb.GenerateResponse(token_ids=[token], finished=last,
-                                          worker_id=self.worker_id)
+                msg = pb.GenerateResponse(
+                    token_ids=[token], finished=last, worker_id=self.worker_id
+                )
                 if last:
                     msg.finish_reason = self.finish_reason
                     msg.usage.prompt_tokens = len(request.prompt_token_ids)
@@ -88,27 +97,44 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             self.cancelled += 1
             raise
 
-    async def Health(self, request: pb.HealthRequest,
-                     context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+    async def Health(
+        self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthResponse:
         return pb.HealthResponse(serving=True)
 
 
 class FakeRegistration:
     """One worker's Redis keys, written the way the contract says a publisher writes them."""
 
-    def __init__(self, client: aioredis.Redis, layout: RedisLayout, worker_id: str,
-                 address: str, spec: HashSpec, *, epoch: str = "epoch-1",
-                 max_model_len: int = 2048, ttl_ms: int = 60_000) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        layout: RedisLayout,
+        worker_id: str,
+        address: str,
+        spec: HashSpec,
+        *,
+        epoch: str = "epoch-1",
+        max_model_len: int = 2048,
+        ttl_ms: int = 60_000,
+    ) -> None:
         self.client = client
         self.layout = layout
         self.spec = spec
         self.ttl_ms = ttl_ms
         self.seq = 0
         self.record = WorkerRecord(
-            worker_id=worker_id, address=address, model=spec.model,
-            hash_spec=spec.describe(), block_size=spec.block_size, num_blocks=1000,
-            max_model_len=max_model_len, epoch=epoch, free_blocks=1000,
-            updated_at=time.time())
+            worker_id=worker_id,
+            address=address,
+            model=spec.model,
+            hash_spec=spec.describe(),
+            block_size=spec.block_size,
+            num_blocks=1000,
+            max_model_len=max_model_len,
+            epoch=epoch,
+            free_blocks=1000,
+            updated_at=time.time(),
+        )
 
     @property
     def worker_id(self) -> str:
@@ -128,12 +154,23 @@ class FakeRegistration:
         """As if the heartbeat stopped and the TTL ran out."""
         await self.client.delete(self.layout.worker(self.worker_id))
 
-    async def publish(self, events: Sequence[KVEvent], *, seq: int | None = None,
-                      epoch: str | None = None, touch_set: bool = True) -> None:
+    async def publish(
+        self,
+        events: Sequence[KVEvent],
+        *,
+        seq: int | None = None,
+        epoch: str | None = None,
+        touch_set: bool = True,
+    ) -> None:
         """Applies ``events`` to the block set and appends one batch, in one MULTI/EXEC."""
         blocks = self.layout.blocks(self.worker_id)
-        batch = EventBatch(self.worker_id, epoch or self.record.epoch,
-                           self.seq if seq is None else seq, time.time(), tuple(events))
+        batch = EventBatch(
+            self.worker_id,
+            epoch or self.record.epoch,
+            self.seq if seq is None else seq,
+            time.time(),
+            tuple(events),
+        )
         self.seq = batch.seq + 1
         async with self.client.pipeline(transaction=True) as pipe:
             if touch_set:

@@ -9,8 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-async def eventually(predicate: Callable[[], Any], timeout: float = 5.0,
-                     what: str = "condition") -> Any:
+async def eventually(
+    predicate: Callable[[], Any], timeout: float = 5.0, what: str = "condition"
+) -> Any:
     """Polls ``predicate`` on the loop until truthy; returns its value."""
     deadline = time.monotonic() + timeout
     while True:

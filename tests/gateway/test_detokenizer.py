@@ -41,7 +41,9 @@ def test_emoji_split_over_tokens_comes_out_whole(tok: Any) -> None:
     assert not any("\ufffd" in p for p in pieces)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(text=st.text(min_size=1, max_size=40), sizes=st.lists(st.integers(1, 4), max_size=30))
 def test_streamed_text_equals_full_decode(tok: Any, text: str, sizes: list[int]) -> None:
     ids = tok.encode(text, add_special_tokens=False)
@@ -51,7 +53,7 @@ def test_streamed_text_equals_full_decode(tok: Any, text: str, sizes: list[int])
 
 
 def test_special_tokens_are_skipped(tok: Any) -> None:
-    ids = tok.encode("Hello", add_special_tokens=False) + [2]  # <|im_end|>
+    ids = [*tok.encode("Hello", add_special_tokens=False), 2]  # <|im_end|>
     detok = IncrementalDetokenizer(tok, [])
     assert "".join(_stream(detok, ids, [1, 1])) == "Hello"
 

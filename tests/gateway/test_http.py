@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.gateway.conftest import MODEL, MakeGateway, Harness, read_sse
+from tests.gateway.conftest import MODEL, Harness, MakeGateway, read_sse
 from tests.gateway.helpers import eventually
 
 HELLO = [{"role": "user", "content": "Say hello"}]
@@ -14,8 +14,9 @@ HELLO = [{"role": "user", "content": "Say hello"}]
 
 async def test_chat_completion_shape_ids_and_usage(gateway: Harness) -> None:
     worker, _ = await gateway.add_worker("w1", "Hello 世界!", cached_tokens=16)
-    resp = await gateway.chat(HELLO, temperature=0.5, top_p=0.9, seed=7, max_tokens=20,
-                              user="alice")
+    resp = await gateway.chat(
+        HELLO, temperature=0.5, top_p=0.9, seed=7, max_tokens=20, user="alice"
+    )
     assert resp.status == 200, await resp.text()
     assert resp.headers["x-kvroute-worker"] == "w1"
     assert resp.headers["x-kvroute-reason"] in ("cache", "session", "load", "fallback")
@@ -27,9 +28,11 @@ async def test_chat_completion_shape_ids_and_usage(gateway: Harness) -> None:
     assert choice["finish_reason"] == "stop"
     prompt_ids = gateway.tok.encode_text(gateway.tok.render(HELLO))
     assert body["usage"] == {
-        "prompt_tokens": len(prompt_ids), "completion_tokens": len(worker.reply_ids),
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": len(worker.reply_ids),
         "total_tokens": len(prompt_ids) + len(worker.reply_ids),
-        "prompt_tokens_details": {"cached_tokens": 16}}
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
     sent = worker.requests[0]
     assert list(sent.prompt_token_ids) == prompt_ids
     assert sent.sampling.max_tokens == 20 and sent.sampling.seed == 7
@@ -73,10 +76,12 @@ async def test_completions_plain_and_stream(gateway: Harness) -> None:
     assert data["object"] == "text_completion"
     assert data["choices"][0]["text"] == " jumps over"
     assert list(worker.requests[0].prompt_token_ids) == gateway.tok.encode_text(
-        "The quick brown fox", add_special_tokens=True)
+        "The quick brown fox", add_special_tokens=True
+    )
     assert worker.requests[0].sampling.max_tokens == 8
-    resp = await gateway.client.post("/v1/completions", json={**body, "stream": True,
-                                                              "prompt": [504, 2365]})
+    resp = await gateway.client.post(
+        "/v1/completions", json={**body, "stream": True, "prompt": [504, 2365]}
+    )
     events = await read_sse(resp)
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == " jumps over"
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
@@ -94,8 +99,15 @@ async def test_models_health_ready_openapi(gateway: Harness) -> None:
     assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 1024
     spec = await (await gateway.client.get("/openapi.json")).json()
     assert spec["openapi"].startswith("3.")
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/healthz",
-                 "/readyz", "/metrics", "/dashboard"):
+    for path in (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/dashboard",
+    ):
         assert path in spec["paths"]
 
 
@@ -103,33 +115,48 @@ async def test_metrics_names(gateway: Harness) -> None:
     await gateway.add_worker("w1", cached_tokens=16)
     assert (await gateway.chat(HELLO)).status == 200
     text = await (await gateway.client.get("/metrics")).text()
-    for name in ("kvroute_gateway_requests_total{reason=", "kvroute_gateway_responses_total",
-                 "kvroute_gateway_prompt_tokens_total", "kvroute_gateway_retries_total",
-                 "kvroute_gateway_predicted_cached_tokens_total",
-                 'kvroute_gateway_cached_tokens_total{worker="w1"} 16.0',
-                 "kvroute_gateway_routing_seconds_bucket", "kvroute_gateway_ttft_seconds_bucket",
-                 "kvroute_gateway_e2e_seconds_bucket", "kvroute_gateway_index_blocks",
-                 "kvroute_gateway_index_event_lag_seconds", "kvroute_gateway_healthy_workers 1.0",
-                 'kvroute_gateway_worker_load{kind="inflight",worker="w1"} 0.0'):
+    for name in (
+        "kvroute_gateway_requests_total{reason=",
+        "kvroute_gateway_responses_total",
+        "kvroute_gateway_prompt_tokens_total",
+        "kvroute_gateway_retries_total",
+        "kvroute_gateway_predicted_cached_tokens_total",
+        'kvroute_gateway_cached_tokens_total{worker="w1"} 16.0',
+        "kvroute_gateway_routing_seconds_bucket",
+        "kvroute_gateway_ttft_seconds_bucket",
+        "kvroute_gateway_e2e_seconds_bucket",
+        "kvroute_gateway_index_blocks",
+        "kvroute_gateway_index_event_lag_seconds",
+        "kvroute_gateway_healthy_workers 1.0",
+        'kvroute_gateway_worker_load{kind="inflight",worker="w1"} 0.0',
+    ):
         assert name in text, name
     assert 'kvroute_gateway_responses_total{code="200"} 1.0' in text
 
 
-@pytest.mark.parametrize(("body", "status", "param"), [
-    ({"model": MODEL, "messages": HELLO, "temperature": "hot"}, 400, "temperature"),
-    ({"model": MODEL, "messages": HELLO, "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": MODEL, "messages": HELLO, "n": 2}, 400, "n"),
-    ({"model": MODEL, "messages": "hi"}, 400, "messages"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
-    ({"model": MODEL, "messages": HELLO, "stop": [1]}, 400, "stop"),
-    ({"model": MODEL, "messages": HELLO, "stream": "yes"}, 400, "stream"),
-    ({"messages": HELLO}, 400, "model"),
-    ({"model": "gpt-4", "messages": HELLO}, 404, "model"),
-    ({"model": MODEL, "messages": HELLO, "max_tokens": 5000}, 400, "max_tokens"),
-    ([1, 2], 400, None),
-])
-async def test_bad_requests_get_openai_errors(gateway: Harness, body: object, status: int,
-                                              param: str | None) -> None:
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": MODEL, "messages": HELLO, "temperature": "hot"}, 400, "temperature"),
+        ({"model": MODEL, "messages": HELLO, "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": HELLO, "n": 2}, 400, "n"),
+        ({"model": MODEL, "messages": "hi"}, 400, "messages"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+            400,
+            "messages[0].content",
+        ),
+        ({"model": MODEL, "messages": HELLO, "stop": [1]}, 400, "stop"),
+        ({"model": MODEL, "messages": HELLO, "stream": "yes"}, 400, "stream"),
+        ({"messages": HELLO}, 400, "model"),
+        ({"model": "gpt-4", "messages": HELLO}, 404, "model"),
+        ({"model": MODEL, "messages": HELLO, "max_tokens": 5000}, 400, "max_tokens"),
+        ([1, 2], 400, None),
+    ],
+)
+async def test_bad_requests_get_openai_errors(
+    gateway: Harness, body: object, status: int, param: str | None
+) -> None:
     await gateway.add_worker("w1")
     resp = await gateway.client.post("/v1/chat/completions", json=body)
     assert resp.status == status
@@ -140,8 +167,9 @@ async def test_bad_requests_get_openai_errors(gateway: Harness, body: object, st
 async def test_invalid_json_big_body_unknown_route(make_gateway: MakeGateway) -> None:
     gateway = await make_gateway(max_body_bytes=4096)
     await gateway.add_worker("w1")
-    resp = await gateway.client.post("/v1/chat/completions", data=b"{not json",
-                                     headers={"Content-Type": "application/json"})
+    resp = await gateway.client.post(
+        "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"}
+    )
     assert resp.status == 400 and (await resp.json())["error"]["code"] == "invalid_json"
     resp = await gateway.client.post("/v1/chat/completions", data=b"x" * 10_000)
     assert resp.status == 413 and "error" in await resp.json()
@@ -165,8 +193,9 @@ async def test_no_worker_is_503(gateway: Harness) -> None:
 
 
 async def test_stop_string_cuts_text_and_aborts_worker(gateway: Harness) -> None:
-    worker, _ = await gateway.add_worker("w1", "one two STOP three four five six seven",
-                                         delay_s=0.02)
+    worker, _ = await gateway.add_worker(
+        "w1", "one two STOP three four five six seven", delay_s=0.02
+    )
     resp = await gateway.chat(HELLO, stop=["STOP"])
     body = await resp.json()
     assert body["choices"][0]["message"]["content"] == "one two "
@@ -231,8 +260,9 @@ async def test_session_affinity(make_gateway: MakeGateway) -> None:
 
 
 @pytest.mark.parametrize("ttl", [2.0, 0.0])
-async def test_speculative_entries_keep_siblings_together(make_gateway: MakeGateway,
-                                                          ttl: float) -> None:
+async def test_speculative_entries_keep_siblings_together(
+    make_gateway: MakeGateway, ttl: float
+) -> None:
     gateway = await make_gateway(speculative_ttl_s=ttl)
     for wid in ("a", "b", "c"):
         await gateway.add_worker(wid)
@@ -277,8 +307,9 @@ async def test_dead_worker_is_skipped(gateway: Harness) -> None:
 
 async def test_api_keys_and_tenant_salt(make_gateway: MakeGateway, tmp_path) -> None:
     keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"sk-acme": {"tenant": "acme", "cache_salt": "s-acme"},
-                                "sk-beta": "beta"}))
+    keys.write_text(
+        json.dumps({"sk-acme": {"tenant": "acme", "cache_salt": "s-acme"}, "sk-beta": "beta"})
+    )
     gateway = await make_gateway(api_keys_file=keys)
     await gateway.add_worker("a")
     worker_b, reg_b = await gateway.add_worker("b")

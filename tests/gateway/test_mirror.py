@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 import redis.asyncio as aioredis
@@ -75,8 +76,9 @@ async def test_seq_gap_reloads_the_set(redis_url: str, redis_client: aioredis.Re
         # A lost batch: the set has 2 and 3, but no event said so.
         await redis_client.sadd(layout.blocks("w1"), 2, 3)
         await reg.publish([BlockStored((4,))], seq=reg.seq + 1)
-        await eventually(lambda: mirror.index.longest_prefix([1, 2, 3, 4]) == {"w1": 4},
-                         what="reload after gap")
+        await eventually(
+            lambda: mirror.index.longest_prefix([1, 2, 3, 4]) == {"w1": 4}, what="reload after gap"
+        )
 
 
 async def test_new_epoch_reloads(redis_url: str, redis_client: aioredis.Redis) -> None:
@@ -91,13 +93,19 @@ async def test_new_epoch_reloads(redis_url: str, redis_client: aioredis.Redis) -
         reg.seq = 0
         await reg.register(epoch="epoch-2")
         await reg.publish([AllBlocksCleared(), BlockStored((5,))], epoch="epoch-2")
-        await eventually(lambda: mirror.index.longest_prefix([5]) == {"w1": 1}
-                         and mirror.index.block_count("w1") == 1, what="epoch reload")
+        await eventually(
+            lambda: (
+                mirror.index.longest_prefix([5]) == {"w1": 1}
+                and mirror.index.block_count("w1") == 1
+            ),
+            what="epoch reload",
+        )
         assert mirror.workers["w1"].epoch == "epoch-2"
 
 
-async def test_expired_registry_key_drops_worker(redis_url: str,
-                                                 redis_client: aioredis.Redis) -> None:
+async def test_expired_registry_key_drops_worker(
+    redis_url: str, redis_client: aioredis.Redis
+) -> None:
     mirror, layout, dropped = make(redis_url)
     regs = [FakeRegistration(redis_client, layout, w, "127.0.0.1:1", SPEC) for w in ("a", "b")]
     for reg in regs:
@@ -112,15 +120,15 @@ async def test_expired_registry_key_drops_worker(redis_url: str,
         assert mirror.index.workers() == ["b"]
 
 
-async def test_malformed_and_foreign_records(redis_url: str,
-                                             redis_client: aioredis.Redis) -> None:
+async def test_malformed_and_foreign_records(redis_url: str, redis_client: aioredis.Redis) -> None:
     mirror, layout, _ = make(redis_url)
     await redis_client.sadd(layout.workers, "bad")
-    await redis_client.hset(layout.worker("bad"), mapping={"worker_id": "bad", "address": "x",
-                                                           "block_size": "not-a-number"})
+    await redis_client.hset(
+        layout.worker("bad"),
+        mapping={"worker_id": "bad", "address": "x", "block_size": "not-a-number"},
+    )
     other = FakeRegistration(redis_client, layout, "old", "127.0.0.1:1", SPEC)
-    other.record = other.record.__class__(**{**other.record.__dict__,
-                                             "hash_spec": {"version": "v0", "block_size": 4}})
+    other.record = replace(other.record, hash_spec={"version": "v0", "block_size": 4})
     await other.register()
     async with running(mirror):
         await eventually(lambda: "old" in mirror.workers)
@@ -147,8 +155,11 @@ async def test_redis_outage_keeps_mirror_and_reloads(redis_process: RedisProcess
         reg.seq = 0
         await reg.register()
         await reg.store([1, 9])
-        await eventually(lambda: mirror.redis_ok and mirror.index.block_count("w1") == 2,
-                         timeout=10, what="reload after reconnect")
+        await eventually(
+            lambda: mirror.redis_ok and mirror.index.block_count("w1") == 2,
+            timeout=10,
+            what="reload after reconnect",
+        )
         assert mirror.index.longest_prefix([1, 9]) == {"w1": 2}
         assert mirror.reconnects >= 1
     await client.aclose()

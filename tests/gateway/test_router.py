@@ -143,7 +143,12 @@ def test_least_loaded_session_and_prefix_policies() -> None:
 
 def test_predicted_cached_tokens_capped_by_prompt() -> None:
     d = Router(RouterConfig()).choose(req(40), [WorkerState("a", 5)])
-    assert d.predicted_cached_tokens == 40
+    assert (d.predicted_cached_tokens, d.reason) == (40, "cache")
+
+
+def test_single_cold_worker_is_fallback() -> None:
+    d = Router(RouterConfig()).choose(req(40), [WorkerState("a", 0, running=3)])
+    assert (d.worker_id, d.reason, d.ranked) == ("a", "fallback", ("a",))
 
 
 def test_bad_input_and_config() -> None:
