@@ -17,10 +17,16 @@ The ``kvroute`` policy, step by step:
    worker, which caches it too. At low concurrency the bound is at least
    ``LOAD_SLACK`` requests above the mean, so one request in flight does not
    push a conversation off the worker that holds its cache.
-3. Predicted time to first token per remaining worker:
-   ``(queued_prefill_tokens + prompt_tokens - cached_tokens) / prefill_rate
-   + max(running, inflight) * decode_weight_s``.
-4. Workers within ``TIE_RELATIVE`` of the best prediction are tied: the
+3. Score per remaining worker: the predicted time to first token,
+   ``(queued_prefill_tokens + recompute_weight * uncached_tokens) / prefill_rate
+   + max(running, inflight) * decode_weight_s``. With ``recompute_weight`` 1
+   this is exactly this request's TTFT; above 1 it also charges what a miss
+   costs the fleet: the recompute delays every request queued behind it and
+   evicts other prefixes to make room. Without it, a short transient queue on
+   the worker holding a 10k-token prefix sends the request to a cold worker,
+   and on the Mooncake trace the fleet hit rate falls to 0.74x the ideal
+   (``loadtest.simulate``; docs/ROUTING.md has the sweep).
+4. Workers within ``TIE_RELATIVE`` of the best score are tied: the
    session's last worker wins a tie, then the least loaded, then rotation.
 """
 
@@ -82,9 +88,10 @@ class RouterConfig:
     """Routing policy and its knobs."""
 
     policy: str = "kvroute"  # kvroute|round_robin|random|least_loaded|session|prefix
-    balance_factor: float = 1.5  # bounded load: skip workers above factor x mean load
+    balance_factor: float = 2.0  # bounded load: skip workers above factor x mean load
     default_prefill_tokens_per_s: float = 5000.0
     decode_weight_s: float = 0.01
+    recompute_weight: float = 24.0  # cost of an uncached token relative to a queued one
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -96,6 +103,8 @@ class RouterConfig:
             raise ValueError("default_prefill_tokens_per_s must be positive")
         if self.decode_weight_s < 0:
             raise ValueError("decode_weight_s must be >= 0")
+        if not self.recompute_weight >= 1.0:
+            raise ValueError(f"--recompute-weight must be >= 1.0, got {self.recompute_weight}")
 
 
 def worker_load(w: WorkerState) -> int:
@@ -146,12 +155,19 @@ class Router:
         return self._decide(request, order, "cache" if order[0].cached_blocks > 0 else "load")
 
     def predicted_ttft(self, request: RouteRequest, w: WorkerState) -> float:
-        """Seconds until ``w`` would emit this request's first token (step 3)."""
+        """Seconds until ``w`` would emit this request's first token."""
+        return self._cost(request, w, recompute_weight=1.0)
+
+    def score(self, request: RouteRequest, w: WorkerState) -> float:
+        """The ranking cost of sending the request to ``w`` (step 3): lower is better."""
+        return self._cost(request, w, recompute_weight=self.config.recompute_weight)
+
+    def _cost(self, request: RouteRequest, w: WorkerState, recompute_weight: float) -> float:
         cached = self._cached_tokens(request, w)
         uncached = max(request.prompt_tokens - cached, _MIN_UNCACHED_TOKENS)
         rate = w.prefill_tokens_per_s or self.config.default_prefill_tokens_per_s
         decode = max(w.running, w.inflight) * self.config.decode_weight_s
-        return (w.queued_prefill_tokens + uncached) / rate + decode
+        return (w.queued_prefill_tokens + recompute_weight * uncached) / rate + decode
 
     def overloaded(self, workers: Sequence[WorkerState]) -> set[str]:
         """Ids of workers over the bounded-load limit (step 2), empty if all would be."""
@@ -166,9 +182,9 @@ class Router:
     def _kvroute(self, request: RouteRequest, ws: list[WorkerState]) -> Decision:
         over = self.overloaded(ws)
         eligible = [w for w in ws if w.worker_id not in over]
-        ttft = {w.worker_id: self.predicted_ttft(request, w) for w in ws}
-        best = min(ttft[w.worker_id] for w in eligible)
-        tied = [w for w in eligible if ttft[w.worker_id] <= best * (1 + TIE_RELATIVE)]
+        cost = {w.worker_id: self.score(request, w) for w in ws}
+        best = min(cost[w.worker_id] for w in eligible)
+        tied = [w for w in eligible if cost[w.worker_id] <= best * (1 + TIE_RELATIVE)]
         session = next((w for w in tied if w.worker_id == request.session_worker), None)
         if session is not None and len(tied) > 1:
             chosen, reason = session, "session"
@@ -185,7 +201,7 @@ class Router:
             reason = "load"
         rest = sorted(
             (w for w in ws if w is not chosen),
-            key=lambda w: (w.worker_id in over, ttft[w.worker_id], worker_load(w)),
+            key=lambda w: (w.worker_id in over, cost[w.worker_id], worker_load(w)),
         )
         return self._decide(request, [chosen, *rest], reason)
 

@@ -56,7 +56,7 @@ class SimConfig:
     speculative_ttl_s: float = 2.0
     session_ttl_s: float = 600.0
     policy: str = "kvroute"
-    balance_factor: float = 1.5
+    balance_factor: float = RouterConfig.balance_factor
     seed: int = 0
     chwbl_load_factor: float = 1.25
     sglang_cache_threshold: float = 0.5

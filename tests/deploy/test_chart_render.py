@@ -260,6 +260,7 @@ def test_gateway_deployment_flags_probes_and_scaling() -> None:
         "--port",
         "--policy",
         "--balance-factor",
+        "--recompute-weight",
         "--session-ttl",
         "--max-queue-per-worker",
         "--log-level",

@@ -50,6 +50,23 @@ def test_queue_beats_cache_when_predicted_slower() -> None:
     assert d.ranked == ("b", "a")
 
 
+def test_recompute_weight_keeps_a_long_prefix_through_a_short_queue() -> None:
+    # a holds 37 blocks (592 of 640 tokens) behind a 1,000-token queue; b is idle and cold.
+    ws = [WorkerState("a", 37, queued_prefill_tokens=1000), WorkerState("b", 0)]
+    ttft_only = Router(RouterConfig(default_prefill_tokens_per_s=1000.0, recompute_weight=1.0))
+    # a: (1000 + 48)/1000 = 1.048 s ; b: 640/1000 = 0.64 s -> b, the cold worker
+    assert ttft_only.choose(req(640), ws).worker_id == "b"
+    weighted = Router(RouterConfig(default_prefill_tokens_per_s=1000.0, recompute_weight=24.0))
+    # a: (1000 + 24*48)/1000 = 2.152 ; b: 24*640/1000 = 15.36 -> a keeps its prefix
+    d = weighted.choose(req(640), ws)
+    assert (d.worker_id, d.reason, d.predicted_cached_tokens) == ("a", "cache", 592)
+    # the score ranks, but the reported TTFT prediction stays the plain one
+    assert weighted.score(req(640), ws[0]) == pytest.approx(2.152)
+    assert weighted.predicted_ttft(req(640), ws[0]) == pytest.approx(1.048)
+    with pytest.raises(ValueError, match="recompute-weight"):
+        RouterConfig(recompute_weight=0.5)
+
+
 def test_bounded_load_skips_hot_worker() -> None:
     router = Router(RouterConfig(balance_factor=1.5))
     # loads 6,0,0 -> mean with this request 7/3, limit max(3.5, 4.33) = 4.33; a: 7 > 4.33
