@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from contract.redis_url import PASSWORD_ENV, with_password
 from gateway.config import LOG_LEVELS, GatewayConfig
 from gateway.model_path import resolve_model_dir
 from gateway.router import POLICIES, RouterConfig
@@ -84,7 +85,7 @@ def config_from_args(argv: list[str]) -> GatewayConfig:
     return GatewayConfig(
         model_dir=resolve_model_dir(v["--model"]),
         served_model_name=v["--served-model-name"],
-        redis_url=v["--redis-url"],
+        redis_url=with_password(v["--redis-url"], os.environ.get(PASSWORD_ENV)),
         redis_namespace=v["--redis-namespace"],
         host=v["--host"],
         port=v["--port"],

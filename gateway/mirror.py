@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 from contract.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch
 from contract.hashing import HASH_VERSION, HashSpec
 from contract.redis_layout import EVENT_FIELD, RedisLayout, WorkerRecord
+from contract.redis_url import redact
 from gateway.index import BlockIndex
 
 logger = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ class IndexMirror:
             try:
                 await client.ping()
                 if not self.redis_ok:
-                    logger.info("connected to redis %s", self.redis_url)
+                    logger.info("connected to redis %s", redact(self.redis_url))
                 self.redis_ok = True
                 backoff = 0.1
                 for entry in self.workers.values():

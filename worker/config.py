@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from contract.redis_layout import DEFAULT_NAMESPACE, RedisLayout
+from contract.redis_url import PASSWORD_ENV, with_password
 
 ENV_PREFIX = "KVROUTE_"
 DTYPES = {
@@ -241,5 +242,8 @@ def config_from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) 
     model = str(values["model"])
     values.setdefault("served_model_name", default_served_name(model))
     values.setdefault("worker_id", f"{socket.gethostname()}-{os.getpid()}")
+    if env.get(PASSWORD_ENV):
+        url = str(values.get("redis_url", WorkerConfig.redis_url))
+        values["redis_url"] = with_password(url, env[PASSWORD_ENV])
     known = {f.name for f in fields(WorkerConfig)}
     return WorkerConfig(**{k: v for k, v in values.items() if k in known}).validate()  # type: ignore[arg-type]
