@@ -37,5 +37,8 @@ def model_dir_for(name_or_path: str) -> Path:
 
 
 def served_model_name(name_or_path: str) -> str:
-    """The default model id a fleet serves and hashes with: the folder's name."""
-    return model_dir_for(name_or_path).name
+    """The default model id a fleet serves and hashes with: the folder's name.
+
+    Computed from the argument alone (a .gguf is not converted just to name it).
+    """
+    return model_dir_for(name_or_path).resolve().name

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
+from contract.model_paths import served_model_name
 from contract.redis_layout import DEFAULT_NAMESPACE, RedisLayout
 from contract.redis_url import PASSWORD_ENV, with_password
 
@@ -31,8 +32,6 @@ DTYPES = {
 KV_CACHE_DTYPES = ("auto", "fp8")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-SMOLLM2_ALIAS = "smollm2"
-SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass(frozen=True)
@@ -130,14 +129,8 @@ class WorkerConfig:
 
 
 def default_served_name(model: str) -> str:
-    """The name a model is served under when --served-model-name is not given.
-
-    Computed from the argument alone (a .gguf is not converted just to name it).
-    """
-    if model.lower() in (SMOLLM2_ALIAS, SMOLLM2_NAME.lower()):
-        return SMOLLM2_NAME
-    path = Path(model).expanduser()
-    return path.stem if path.suffix == ".gguf" else path.resolve().name
+    """The name a model is served under when --served-model-name is not given."""
+    return served_model_name(model)
 
 
 def _positive(flag: str, value: float) -> None:

