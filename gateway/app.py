@@ -146,7 +146,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
             executor_min_chars=config.executor_min_chars,
         )
     index = BlockIndex()
-    clients = WorkerClients()
+    clients = WorkerClients(config.grpc_tls_ca.read_bytes() if config.grpc_tls_ca else None)
     sessions = SessionMap(config.session_ttl_s)
     metrics = GatewayMetrics()
     stats = RollingStats()

@@ -43,6 +43,7 @@ _FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("--request-timeout", float, 600.0, "seconds a request may take end to end"),
     ("--max-body-bytes", int, 4 * 1024 * 1024, "largest accepted request body (413 above)"),
     ("--api-keys-file", str, "", "JSON of bearer key -> tenant (optional)"),
+    ("--grpc-tls-ca", str, "", "PEM CA bundle: dial workers over gRPC TLS (optional)"),
     ("--log-level", str, "info", "one of " + ", ".join(LOG_LEVELS)),
 ]
 
@@ -100,6 +101,7 @@ def config_from_args(argv: list[str]) -> GatewayConfig:
         request_timeout_s=v["--request-timeout"],
         max_body_bytes=v["--max-body-bytes"],
         api_keys_file=Path(v["--api-keys-file"]) if v["--api-keys-file"] else None,
+        grpc_tls_ca=Path(v["--grpc-tls-ca"]) if v["--grpc-tls-ca"] else None,
         log_level=v["--log-level"].lower(),
     )
 

@@ -28,6 +28,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 * 1024 * 1024
     api_keys_file: Path | None = None
+    grpc_tls_ca: Path | None = None  # PEM CA bundle: dial workers over TLS
     log_level: str = "info"
     registry_poll_s: float = 0.5
     max_retries: int = 2  # other workers tried when one fails before its first token
@@ -44,6 +45,10 @@ class GatewayConfig:
             (self.max_queue_per_worker >= 0, "--max-queue-per-worker must be >= 0"),
             (self.request_timeout_s > 0, "--request-timeout must be > 0"),
             (self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024"),
+            (
+                self.grpc_tls_ca is None or self.grpc_tls_ca.is_file(),
+                f"--grpc-tls-ca {self.grpc_tls_ca}: no such file",
+            ),
             (self.log_level.lower() in LOG_LEVELS, f"--log-level: one of {LOG_LEVELS}"),
             (self.registry_poll_s > 0, "registry_poll_s must be > 0"),
             (self.max_retries >= 0, "max_retries must be >= 0"),

@@ -100,12 +100,18 @@ class IndexMirror:
         index: BlockIndex,
         *,
         poll_s: float = 0.5,
+        reconnect_grace_s: float = 5.0,
         on_drop: Callable[[str], None] | None = None,
     ) -> None:
         self.redis_url = redis_url
         self.layout = layout
         self.index = index
         self.poll_s = poll_s
+        # A Redis that just came back may be empty until every worker's
+        # publisher re-registers (up to a heartbeat TTL plus its retry): a
+        # missing key means "dead" only once this grace after a connect is over.
+        self.reconnect_grace_s = reconnect_grace_s
+        self._connected_at = float("-inf")
         self.on_drop = on_drop
         self.workers: dict[str, WorkerEntry] = {}
         self.redis_ok = False
@@ -125,6 +131,8 @@ class IndexMirror:
                 await client.ping()
                 if not self.redis_ok:
                     logger.info("connected to redis %s", redact(self.redis_url))
+                    if self.has_snapshot:
+                        self._connected_at = time.monotonic()
                 self.redis_ok = True
                 backoff = 0.1
                 for entry in self.workers.values():
@@ -207,6 +215,8 @@ class IndexMirror:
                 entry.record = record
             if not entry.loaded:
                 await self.load_worker(client, wid)
+        if time.monotonic() - self._connected_at < self.reconnect_grace_s:
+            return  # see reconnect_grace_s: workers may not have re-registered yet
         for wid in [w for w in self.workers if w not in live]:
             self.drop_worker(wid)
 

@@ -121,7 +121,7 @@ def parse_sampling(body: Any) -> SamplingRequest:
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_int(body, "top_k", 0) or 0,
+        top_k=_int(body, "top_k", 0, 2**32 - 1) or 0,
         seed=None if seed is None else seed % 2**64,
         stop=stop,
         stream=stream,

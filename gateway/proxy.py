@@ -29,7 +29,9 @@ _CHANNEL_OPTIONS = [
 class WorkerClients:
     """Worker id -> a live stub on a channel to that worker's address."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls_ca: bytes | None = None) -> None:
+        # With a CA bundle every worker channel is TLS, verified against it.
+        self._credentials = grpc.ssl_channel_credentials(tls_ca) if tls_ca else None
         self._channels: dict[str, tuple[str, grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -40,7 +42,10 @@ class WorkerClients:
             return entry[2]
         if entry is not None:
             self._close_later(entry[1])
-        channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        if self._credentials is not None:
+            channel = grpc.aio.secure_channel(address, self._credentials, options=_CHANNEL_OPTIONS)
+        else:
+            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         stub = worker_pb2_grpc.WorkerStub(channel)
         self._channels[worker_id] = (address, channel, stub)
         return stub

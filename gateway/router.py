@@ -14,7 +14,8 @@ The ``kvroute`` policy, step by step:
 2. Bounded load: a worker whose load, counting this request, would exceed
    ``balance_factor`` x the fleet's mean load (also counting this request) is
    skipped, unless every worker would be. A hot prefix then spills to a second
-   worker, which caches it too. At low concurrency the bound is at least
+   worker, which caches it too. The factor is capped at ``N - 0.5`` for N
+   workers, since at ``N`` or above it could never trigger. At low concurrency the bound is at least
    ``LOAD_SLACK`` requests above the mean, so one request in flight does not
    push a conversation off the worker that holds its cache.
 3. Score per remaining worker: the predicted time to first token,
@@ -173,7 +174,10 @@ class Router:
         """Ids of workers over the bounded-load limit (step 2), empty if all would be."""
         loads = {w.worker_id: worker_load(w) for w in workers}
         mean = (sum(loads.values()) + 1) / len(loads)
-        limit = max(self.config.balance_factor * mean, mean + LOAD_SLACK)
+        # A factor >= the number of workers could never trigger (one worker may
+        # then hold all the work): on small fleets it is capped below that.
+        factor = min(self.config.balance_factor, len(loads) - 0.5)
+        limit = max(factor * mean, mean + LOAD_SLACK)
         over = {wid for wid, load in loads.items() if load + 1 > limit}
         return set() if len(over) == len(loads) else over
 

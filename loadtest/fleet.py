@@ -24,6 +24,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contract.redis_url import redact
+
 logger = logging.getLogger(__name__)
 
 
@@ -118,7 +120,7 @@ class Fleet:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         out = self._log(name)
         cmd = [sys.executable, "-m", "kvroute_cli", *args]
-        logger.info("starting %s: %s", name, " ".join(cmd))
+        logger.info("starting %s: %s", name, " ".join(redact(a) for a in cmd))
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1]
         )

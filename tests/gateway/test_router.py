@@ -77,6 +77,18 @@ def test_bounded_load_skips_hot_worker() -> None:
     assert d.ranked[-1] == "a"  # the skipped worker is still a last-resort retry
 
 
+def test_two_workers_still_bound_a_hot_prefix() -> None:
+    # With 2 workers a factor of 2 could never trigger; it is capped at 1.5.
+    router = Router(RouterConfig(balance_factor=2.0))
+    hot = WorkerState("a", 30, running=5)
+    # mean with this request (5+0+1)/2 = 3, limit max(1.5*3, 3+2) = 5; a would be at 6
+    assert router.overloaded([hot, WorkerState("b", 0)]) == {"a"}
+    assert router.choose(req(640), [hot, WorkerState("b", 0)]).worker_id == "b"
+    # at 3 running, a would be at 4 <= limit max(1.5*2, 2+2) = 4: it keeps its prefix
+    warm = WorkerState("a", 30, running=3)
+    assert router.overloaded([warm, WorkerState("b", 0)]) == set()
+
+
 def test_one_request_in_flight_keeps_affinity() -> None:
     router = Router(RouterConfig(balance_factor=1.5))
     # loads 1,0,0: mean 2/3, limit max(1.0, 2.67): a (2) is within the slack

@@ -323,6 +323,15 @@ async def test_grpc_over_tls(runner, tmp_path: Path) -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as plain:
             with pytest.raises(grpc.aio.AioRpcError):
                 await worker_pb2_grpc.WorkerStub(plain).Health(pb.HealthRequest(), timeout=2)
+        # The gateway's worker clients dial the same server over TLS with --grpc-tls-ca.
+        from gateway.proxy import WorkerClients
+
+        clients = WorkerClients(tls_ca=cert.read_bytes())
+        try:
+            stub = clients.stub("tls", f"localhost:{port}")
+            assert (await stub.Health(pb.HealthRequest(), timeout=5)).serving
+        finally:
+            await clients.close()
     finally:
         await server.stop(0)
         engine.shutdown()

@@ -1,0 +1,319 @@
+"""kvroute against other cache-aware routers, on the same worker fleet and the same workload.
+
+Routers compared, each on a fresh fleet (private Redis + ``--workers`` workers)
+so every run starts from cold caches:
+
+- ``kvroute`` and ``round_robin``: kvroute's own gateway with that policy;
+- ``sglang``: sglang-router (``smg launch --policy cache_aware``) and
+- ``vllm``: vllm-router (``vllm-router --policy cache_aware``), both Rust
+  binaries from PyPI wheels, in front of the workers' OpenAI HTTP front.
+
+The peers live in their own virtual environment (``--peers-venv``, default
+``.venv-peers``), created on first use with ``pip install --no-deps
+sglang-router vllm-router`` plus the few packages their launchers import
+(wheels are taken from ``--wheel-dir`` when it holds them). sglang-router gets
+``--model-path`` = the local model folder so it never reaches for a hub.
+
+Hit rate comes from the workers' own ``/metrics`` counters (before/after
+deltas), so every router is measured the same way. One JSON object goes to
+stdout; a router that cannot run is reported with the exact reason under
+``routers.<name>.error`` and the others still run.
+
+Usage: ``python -m loadtest.bench_peers [--users 4 --turns 3 --routers kvroute,round_robin,
+sglang,vllm --json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtest.bench_fleet import (
+    FleetBenchConfig,
+    fleet_config,
+    jsonable,
+    measure,
+    run_policy,
+    torch_threads,
+)
+from loadtest.client import RequestResult
+from loadtest.fleet import Fleet, free_port
+
+logger = logging.getLogger(__name__)
+
+ROUTERS = ("kvroute", "round_robin", "sglang", "vllm")
+PEER_PACKAGES = ("sglang-router", "vllm-router")
+PEER_DEPS = ("setproctitle", "aiohttp", "orjson", "uvicorn", "fastapi", "requests")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class PeersConfig:
+    """Which routers, where the peers' venv lives, and how long a router may take to start."""
+
+    routers: tuple[str, ...] = ROUTERS
+    peers_venv: str = ".venv-peers"
+    wheel_dir: str = "/tmp/peers"
+    router_startup_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        unknown = [r for r in self.routers if r not in ROUTERS]
+        if unknown or not self.routers:
+            raise ValueError(f"--routers {','.join(self.routers)!r}: choose from {ROUTERS}")
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer router could not be installed or started; the message says exactly why."""
+
+
+# -- the peers' virtual environment ----------------------------------------------------------------
+
+
+def _run(cmd: Sequence[str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise PeerUnavailable(f"{what} failed ({proc.returncode}): {' | '.join(tail)}")
+
+
+def ensure_peer_venv(pcfg: PeersConfig) -> Path:
+    """The peers' venv ``bin/`` folder, created and filled on first use."""
+    venv = Path(pcfg.peers_venv)
+    if not venv.is_absolute():
+        venv = ROOT / venv
+    bin_dir = venv / "bin"
+    if (bin_dir / "smg").exists() and (bin_dir / "vllm-router").exists():
+        return bin_dir
+    if not (bin_dir / "python").exists():
+        _run([sys.executable, "-m", "venv", str(venv)], f"python -m venv {venv}")
+    pip = [str(bin_dir / "python"), "-m", "pip", "install", "--quiet"]
+    wheels = sorted(Path(pcfg.wheel_dir).glob("*router*.whl")) if pcfg.wheel_dir else []
+    names = {w.name.split("-")[0].replace("_", "-") for w in wheels}
+    sources = [str(w) for w in wheels] + [p for p in PEER_PACKAGES if p not in names]
+    _run([*pip, "--no-deps", *sources], "pip install --no-deps " + " ".join(sources))
+    _run([*pip, *PEER_DEPS], "pip install " + " ".join(PEER_DEPS))
+    for binary in ("smg", "vllm-router"):
+        if not (bin_dir / binary).exists():
+            raise PeerUnavailable(f"{bin_dir / binary} missing after installing {PEER_PACKAGES}")
+    return bin_dir
+
+
+def router_command(
+    name: str, bin_dir: Path, port: int, worker_urls: Sequence[str], model_dir: str
+) -> list[str]:
+    """The command line that starts peer ``name`` on ``port`` in front of ``worker_urls``."""
+    if name == "sglang":
+        # --model-path: a local folder, so smg loads its tokenizer from disk, not a hub.
+        return [
+            str(bin_dir / "smg"),
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *worker_urls,
+            "--policy",
+            "cache_aware",
+            "--model-path",
+            model_dir,
+            "--log-level",
+            "warn",
+        ]
+    if name == "vllm":
+        return [
+            str(bin_dir / "vllm-router"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *worker_urls,
+            "--policy",
+            "cache_aware",
+            "--log-level",
+            "warning",
+        ]
+    raise ValueError(f"--routers: {name!r} is not a peer router")
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], port: int, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+            raise PeerUnavailable(f"exited with {proc.returncode}: {' | '.join(tail)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError) as exc:
+            logger.debug("router on %d not ready: %s", port, exc)
+        time.sleep(0.5)
+    raise PeerUnavailable(f"no 200 on /health within {timeout:.0f}s (log {log})")
+
+
+def run_peer(
+    cfg: FleetBenchConfig,
+    pcfg: PeersConfig,
+    name: str,
+    log_dir: Path,
+    on_result: Callable[[RequestResult], None] | None = None,
+) -> dict[str, Any]:
+    """A fresh fleet, peer ``name`` started in front of its workers, measured through the peer."""
+    bin_dir = ensure_peer_venv(pcfg)
+    t_start = time.perf_counter()
+    # The fleet's own gateway is started too but gets no traffic.
+    with torch_threads(cfg.worker_threads), Fleet(fleet_config(cfg, "round_robin", name)) as fleet:
+        urls = [w.http_url for w in fleet.workers]
+        port = free_port()
+        cmd = router_command(name, bin_dir, port, urls, fleet.model_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = log_dir / f"{name}-router.log"
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            _wait_healthy(proc, port, pcfg.router_startup_s, log)
+            out: dict[str, Any] = {"policy": "cache_aware", "command": " ".join(cmd)}
+            out["startup_s"] = time.perf_counter() - t_start
+            out.update(measure(cfg, f"http://127.0.0.1:{port}", urls, on_result))
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+    return out
+
+
+def side_by_side(routers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per router with the headline numbers (hit rate from the workers' counters)."""
+    rows = []
+    for name, r in routers.items():
+        if "error" in r:
+            rows.append({"router": name, "error": r["error"]})
+            continue
+        rows.append(
+            {
+                "router": name,
+                "hit_rate": r["worker_metrics"]["hit_rate"],
+                "hit_rate_turn_ge_3": r["late_turns"]["hit_rate"],
+                "ttft_p50_s": r["ttft_p50_s"],
+                "ttft_p99_s": r["ttft_p99_s"],
+                "throughput_rps": r["throughput_rps"],
+                "output_tokens_per_s": r["output_tokens_per_s"],
+                "prompt_share": sorted(r["worker_metrics"]["prompt_share"].values()),
+                "errors": sum(r["errors"].values()),
+            }
+        )
+    return rows
+
+
+def run(cfg: FleetBenchConfig, pcfg: PeersConfig, *, progress: bool = False) -> dict[str, Any]:
+    """Every router in turn on a fresh fleet, same seed; the JSON-ready result."""
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.users * cfg.turns * len(pcfg.routers), unit="req", file=sys.stderr)
+    tick = (lambda _r: bar.update()) if bar is not None else None
+    log_dir = Path(cfg.log_dir or "/tmp/kvroute-bench-peers")
+    routers: dict[str, dict[str, Any]] = {}
+    try:
+        for name in pcfg.routers:
+            if bar is not None:
+                bar.set_description(name)
+            try:
+                if name in ("kvroute", "round_robin"):
+                    routers[name] = run_policy(cfg, name, tick)
+                else:
+                    routers[name] = run_peer(cfg, pcfg, name, log_dir, tick)
+            except (PeerUnavailable, OSError, subprocess.SubprocessError) as exc:
+                logger.warning("%s could not run: %s", name, exc)
+                routers[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        if bar is not None:
+            bar.close()
+    return {
+        "config": asdict(cfg),
+        "peers": asdict(pcfg),
+        "table": side_by_side(routers),
+        "routers": routers,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # Four routers, each on a fresh fleet: 4 users x 3 turns keep the run near ten minutes here.
+    d, dp = FleetBenchConfig(users=4, turns=3), PeersConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.bench_peers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--routers", default=",".join(dp.routers), help="comma-separated")
+    p.add_argument("--model", default=d.model)
+    for name in (
+        "workers",
+        "users",
+        "turns",
+        "system_tokens",
+        "question_tokens",
+        "answer_tokens",
+        "seed",
+        "num_blocks",
+        "worker_threads",
+    ):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    p.add_argument("--think-time-s", type=float, default=d.think_time_s)
+    p.add_argument("--arrival-rate", type=float, default=d.arrival_rate)
+    p.add_argument("--peers-venv", default=dp.peers_venv)
+    p.add_argument("--wheel-dir", default=dp.wheel_dir, help="local peer wheels, if any")
+    p.add_argument("--log-dir", default="", help="process logs (default /tmp/kvroute-bench-peers)")
+    p.add_argument("--json", action="store_true", help="compact JSON (default: indented)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = FleetBenchConfig(
+            model=args.model,
+            workers=args.workers,
+            users=args.users,
+            turns=args.turns,
+            system_tokens=args.system_tokens,
+            question_tokens=args.question_tokens,
+            answer_tokens=args.answer_tokens,
+            think_time_s=args.think_time_s,
+            arrival_rate=args.arrival_rate,
+            seed=args.seed,
+            num_blocks=args.num_blocks,
+            worker_threads=args.worker_threads,
+            from_turn=min(3, args.turns),
+            log_dir=args.log_dir,
+        )
+        cfg.chat()
+        pcfg = PeersConfig(
+            routers=tuple(r.strip() for r in args.routers.split(",") if r.strip()),
+            peers_venv=args.peers_venv,
+            wheel_dir=args.wheel_dir,
+        )
+    except ValueError as exc:
+        print(f"bench_peers: {exc}", file=sys.stderr)
+        return 2
+    result = run(cfg, pcfg, progress=not args.no_progress)
+    print(json.dumps(jsonable(result), indent=None if args.json else 2, default=str))
+    return 0 if all("error" not in r for r in result["routers"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,191 @@
+"""Helpers the reliability tests share: HTTP calls, SSE streams, worker block gauges.
+
+Everything talks to real processes over loopback HTTP: the gateway started by
+``loadtest.fleet.Fleet`` and the workers' own HTTP fronts (``/metrics``,
+``/get_load``). Nothing here mocks a component.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from loadtest.fleet import Fleet
+
+_BLOCKS = re.compile(r'^kvroute_worker_blocks\{[^}]*state="(\w+)"[^}]*\}\s+(\S+)$', re.M)
+_FINISH = re.compile(
+    r'^kvroute_worker_requests_total\{[^}]*finish_reason="(\w+)"[^}]*\}\s+(\S+)$', re.M
+)
+
+
+@dataclass
+class Reply:
+    """One plain HTTP exchange."""
+
+    status: int
+    headers: dict[str, str]
+    body: Any
+
+
+def call(
+    url: str,
+    body: Any = None,
+    *,
+    method: str | None = None,
+    headers: dict[str, str] | None = None,
+    raw: bytes | None = None,
+    timeout: float = 30.0,
+) -> Reply:
+    """``method url`` with a JSON (or raw) body; 4xx/5xx come back as a Reply, not raised."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(
+        url,
+        data=data,
+        method=method or ("GET" if data is None else "POST"),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, hdrs, payload = resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        status, hdrs, payload = exc.code, dict(exc.headers), exc.read()
+    try:
+        parsed: Any = json.loads(payload)
+    except ValueError:
+        parsed = payload.decode(errors="replace")
+    return Reply(status, {k.lower(): v for k, v in hdrs.items()}, parsed)
+
+
+def is_openai_error(body: Any) -> bool:
+    """True when ``body`` is ``{"error": {"message": str, "type": str, ...}}``."""
+    if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
+        return False
+    err = body["error"]
+    return isinstance(err.get("message"), str) and isinstance(err.get("type"), str)
+
+
+def model_name(fleet: Fleet) -> str:
+    return str(call(fleet.gateway_url + "/v1/models").body["data"][0]["id"])
+
+
+def worker_metrics_text(http_url: str) -> str:
+    with urllib.request.urlopen(http_url + "/metrics", timeout=10) as resp:
+        return resp.read().decode()
+
+
+def worker_blocks(http_url: str) -> dict[str, int]:
+    """``kvroute_worker_blocks`` by state (total, used, cached, free, pinned) from /metrics."""
+    text = worker_metrics_text(http_url)
+    return {state: int(float(v)) for state, v in _BLOCKS.findall(text)}
+
+
+def worker_finishes(http_url: str) -> dict[str, int]:
+    """``kvroute_worker_requests_total`` by finish_reason."""
+    text = worker_metrics_text(http_url)
+    return {reason: int(float(v)) for reason, v in _FINISH.findall(text)}
+
+
+def worker_load(http_url: str) -> dict[str, int]:
+    return dict(call(http_url + "/get_load").body)
+
+
+def dashboard(gateway_url: str) -> dict[str, dict[str, Any]]:
+    """The gateway's mirror as its dashboard reports it: worker id -> row."""
+    data = call(gateway_url + "/dashboard/data").body
+    return {row["worker_id"]: row for row in data["workers"]}
+
+
+def all_blocks_free(fleet: Fleet) -> bool:
+    """Every live worker's used blocks are back to its pinned ones (no leaked references)."""
+    for w in fleet.workers:
+        if w.proc.poll() is not None:
+            continue
+        blocks = worker_blocks(w.http_url)
+        if blocks["used"] != blocks["pinned"]:
+            return False
+    return True
+
+
+def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout}s")
+        time.sleep(interval)
+
+
+@dataclass
+class StreamResult:
+    """What a client saw of one streaming request."""
+
+    status: int = 0
+    worker: str = ""
+    text: str = ""
+    chunks: int = 0
+    finish: str | None = None
+    error: dict[str, Any] | None = None  # an error event inside the stream, or the error body
+    done: bool = False  # saw ``data: [DONE]``
+    events: list[Any] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.done and self.error is None and self.finish is not None
+
+
+async def stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    *,
+    headers: dict[str, str] | None = None,
+    started: asyncio.Event | None = None,
+    stop_after_chunks: int | None = None,
+) -> StreamResult:
+    """POSTs a streaming request and reads its SSE events to the end.
+
+    ``started`` is set at the first content chunk; ``stop_after_chunks`` drops
+    the connection after that many events (a client that goes away).
+    """
+    result = StreamResult()
+    async with session.post(url, json={**body, "stream": True}, headers=headers) as resp:
+        result.status = resp.status
+        result.worker = resp.headers.get("x-kvroute-worker", "")
+        if resp.status != 200:
+            result.error = await resp.json(content_type=None)
+            return result
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[len(b"data: ") :]
+            if payload == b"[DONE]":
+                result.done = True
+                break
+            event = json.loads(payload)
+            result.events.append(event)
+            if "error" in event:
+                result.error = event
+                continue
+            for choice in event.get("choices", []):
+                delta = choice.get("delta", {}).get("content") or choice.get("text") or ""
+                result.text += delta
+                if choice.get("finish_reason"):
+                    result.finish = choice["finish_reason"]
+            result.chunks += 1
+            if started is not None and result.chunks >= 2:
+                started.set()
+            if stop_after_chunks is not None and result.chunks >= stop_after_chunks:
+                resp.close()
+                return result
+    return result

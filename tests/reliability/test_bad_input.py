@@ -1,0 +1,323 @@
+"""Bad input at both edges: generated HTTP requests against the gateway's own OpenAPI
+description (schemathesis) and property-based bodies (hypothesis), plus malformed gRPC
+requests straight to a worker.
+
+The invariants: no 5xx from the gateway for anything a client sends, every error an
+OpenAI-shaped JSON body, oversized bodies refused with 413 before they are parsed,
+prompt + max_tokens past the context refused with 400, and a worker answering any bad
+gRPC request with INVALID_ARGUMENT while its engine keeps running.
+
+The worker runs with ``--max-model-len 96`` so generated requests that are valid stay
+cheap (at most 96 tokens); the whole module sends about ``TOTAL_REQUESTS`` requests,
+sized so it stays inside the suite's time budget on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import hypothesis.strategies as st
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+
+from contract import worker_pb2 as pb
+from contract import worker_pb2_grpc
+from loadtest.fleet import Fleet, FleetConfig
+from tests.reliability.fleetkit import call, is_openai_error, model_name
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 96
+MAX_BODY = 64 * 1024
+# Measured on 2 busy cores: schemathesis ~25-60 requests/s (case generation dominates; valid
+# chats that generate tokens ~10/s), the hypothesis bodies ~130/s. 10,000 requests would take
+# ~2 minutes alone, so the module sends ~6,000 and checks that it did.
+TOTAL_REQUESTS = 6_000
+SCHEMA_EXAMPLES = {"positive": 120, "negative": 400}  # per POST operation
+BODY_EXAMPLES = 2_300  # per endpoint for the hypothesis bodies below
+_RESPONSES = re.compile(r'^kvroute_gateway_responses_total\{code="(\d+)"\}\s+(\S+)$', re.M)
+_FAST = settings(
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fleet]:
+    config = FleetConfig(
+        model=str(tiny_llama),
+        workers=1,
+        redis_url=redis_url,
+        namespace="kvbadinput",
+        num_blocks=256,
+        worker_args=("--max-model-len", str(MAX_MODEL_LEN), "--log-level", "WARNING"),
+        gateway_args=("--max-body-bytes", str(MAX_BODY), "--log-level", "warning"),
+        log_dir=str(tmp_path_factory.mktemp("bad-input-logs")),
+    )
+    with Fleet(config) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[requests.Session]:
+    with requests.Session() as session:
+        yield session
+
+
+def _check(resp: requests.Response | Any, what: object) -> None:
+    """The gateway invariants for any response to anything a client may send."""
+    assert resp.status_code < 500, (resp.status_code, resp.text[:300], what)
+    if resp.status_code >= 400:
+        assert is_openai_error(resp.json()), (resp.text[:300], what)
+
+
+def _responses(fleet: Fleet) -> dict[int, float]:
+    """``kvroute_gateway_responses_total`` by status code."""
+    text = requests.get(fleet.gateway_url + "/metrics", timeout=10).text
+    return {int(c): float(v) for c, v in _RESPONSES.findall(text)}
+
+
+@pytest.fixture(scope="module")
+def baseline(fleet: Fleet) -> dict[int, float]:
+    """Responses before this module's requests (startup /readyz probes answer 503)."""
+    return _responses(fleet)
+
+
+# -- precise edges ---------------------------------------------------------------------------
+
+
+def test_oversized_body_is_refused_before_parsing(fleet: Fleet, baseline: dict[int, float]) -> None:
+    # Not JSON at all: a 413 (not a 400 invalid_json) shows the size check came first.
+    raw = b"{" + b"x" * (2 * MAX_BODY)
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        reply = call(fleet.gateway_url + path, raw=raw)
+        assert reply.status == 413, reply.body
+        assert is_openai_error(reply.body)
+    chunked = requests.post(
+        fleet.gateway_url + "/v1/completions",
+        data=iter([b"{" + b"y" * 4096] * (MAX_BODY // 4096 + 2)),  # no Content-Length
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert chunked.status_code == 413 and is_openai_error(chunked.json())
+
+
+def test_context_window_is_enforced(fleet: Fleet) -> None:
+    model = model_name(fleet)
+    url = fleet.gateway_url + "/v1/completions"
+    short = call(url, {"model": model, "prompt": [1, 2, 3], "max_tokens": MAX_MODEL_LEN - 3})
+    assert short.status == 200, short.body
+    over = call(url, {"model": model, "prompt": [1, 2, 3], "max_tokens": MAX_MODEL_LEN - 2})
+    assert over.status == 400 and over.body["error"]["code"] == "context_length_exceeded"
+    long_prompt = call(url, {"model": model, "prompt": [5] * (MAX_MODEL_LEN + 1), "max_tokens": 1})
+    assert long_prompt.status == 400 and is_openai_error(long_prompt.body)
+    chat = call(
+        fleet.gateway_url + "/v1/chat/completions",
+        {"model": model, "messages": [{"role": "user", "content": "word " * 200}]},
+    )
+    assert chat.status == 400 and chat.body["error"]["param"] == "messages"
+
+
+def test_out_of_range_sampling_values_are_400(fleet: Fleet, http: requests.Session) -> None:
+    """Values that parse as JSON numbers but cannot travel in the worker's protobuf fields."""
+    model = model_name(fleet)
+    base = {"model": model, "prompt": [1, 2, 3], "max_tokens": 2}
+    for extra in ({"top_k": 2**40}, {"top_k": 2**32}, {"temperature": 1e-40}, {"seed": 2**70}):
+        resp = http.post(fleet.gateway_url + "/v1/completions", json=base | extra, timeout=30)
+        _check(resp, extra)
+
+
+# -- schemathesis: every operation of /openapi.json -------------------------------------------
+
+
+def test_schemathesis_generated_requests(fleet: Fleet, http: requests.Session) -> None:
+    schema = schemathesis.openapi.from_url(fleet.gateway_url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.label for op in operations} >= {"POST /v1/chat/completions", "POST /v1/completions"}
+    sent = 0
+    for operation in operations:
+        # GETs take no input: one positive case each; negative generation has nothing to break.
+        modes = SCHEMA_EXAMPLES if operation.method.upper() == "POST" else {"positive": 1}
+        for mode, examples in modes.items():
+            strategy = operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode))
+
+            @settings(_FAST, max_examples=examples)
+            @given(case=strategy)
+            def check(case: schemathesis.Case) -> None:
+                nonlocal sent
+                resp = case.call(base_url=fleet.gateway_url, session=http, timeout=30)
+                sent += 1
+                _check(resp, (case.method, case.path, case.body, case.headers))
+
+            check()
+    assert sent >= sum(SCHEMA_EXAMPLES.values())
+
+
+# -- hypothesis: bodies near the valid ones ---------------------------------------------------
+
+_SCALAR = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=40),
+)
+_JSON = st.recursive(
+    _SCALAR,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+_FIELDS = [
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+    "n", "stop", "stream", "stream_options", "user", "ignore_eos", "prompt", "messages",
+]  # fmt: skip
+
+
+def _mutations() -> st.SearchStrategy[dict[str, Any]]:
+    """Some known fields set to arbitrary JSON, others to plausible values."""
+    plausible = {
+        "max_tokens": st.integers(min_value=-5, max_value=200),
+        "temperature": st.floats(min_value=-1, max_value=3),
+        "top_p": st.floats(min_value=-0.5, max_value=1.5),
+        "top_k": st.integers(min_value=-3, max_value=2**33),
+        "stream": st.booleans(),
+        "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=6)),
+        "prompt": st.one_of(
+            st.text(max_size=60), st.lists(st.integers(min_value=-2, max_value=2**33), max_size=30)
+        ),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "role": st.sampled_from(["user", "system", "assistant", "tool", ""]),
+                    "content": _JSON,
+                }
+            ),
+            max_size=3,
+        ),
+    }
+    return st.dictionaries(
+        st.sampled_from(_FIELDS),
+        st.one_of(_JSON, *plausible.values()),
+        max_size=6,
+    )
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_hypothesis_bodies(fleet: Fleet, http: requests.Session, path: str) -> None:
+    model = model_name(fleet)
+    base: dict[str, Any] = {"model": model, "max_tokens": 4}
+    base |= (
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    )
+
+    @settings(_FAST, max_examples=BODY_EXAMPLES)
+    @given(changes=_mutations(), whole=st.booleans(), junk=_JSON)
+    def check(changes: dict[str, Any], whole: bool, junk: Any) -> None:
+        body: Any = junk if not whole and not changes else base | changes
+        resp = http.post(fleet.gateway_url + path, data=json.dumps(body), timeout=30,
+                         headers={"Content-Type": "application/json"})  # fmt: skip
+        _check(resp, body)
+        if resp.status_code == 200 and body.get("stream") is True:
+            assert resp.text.rstrip().endswith("data: [DONE]")
+
+    check()
+
+
+# -- gRPC straight to the worker ---------------------------------------------------------------
+
+
+def _generate(stub: worker_pb2_grpc.WorkerStub, prompt: list[int], **sampling: Any) -> str:
+    """The status name of one Generate call, read to the end ("OK" when it finished)."""
+    request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(**sampling))
+    try:
+        responses = list(stub.Generate(request, timeout=30))
+    except grpc.RpcError as exc:
+        return exc.code().name
+    assert responses and responses[-1].finished
+    return "OK"
+
+
+@pytest.fixture(scope="module")
+def stub(fleet: Fleet) -> Iterator[worker_pb2_grpc.WorkerStub]:
+    with grpc.insecure_channel(f"127.0.0.1:{fleet.workers[0].grpc_port}") as channel:
+        yield worker_pb2_grpc.WorkerStub(channel)
+
+
+def test_grpc_invalid_requests(stub: worker_pb2_grpc.WorkerStub) -> None:
+    vocab = stub.Info(pb.InfoRequest(), timeout=10)
+    assert vocab.max_model_len == MAX_MODEL_LEN
+    bad: list[tuple[list[int], dict[str, Any]]] = [
+        ([], {"max_tokens": 2}),
+        ([10**9], {"max_tokens": 2}),
+        ([2**32 - 1], {"max_tokens": 2}),
+        ([1] * (MAX_MODEL_LEN + 1), {"max_tokens": 1}),
+        ([1, 2], {"max_tokens": MAX_MODEL_LEN}),
+        ([1, 2], {"max_tokens": 2, "temperature": math.nan}),
+        ([1, 2], {"max_tokens": 2, "temperature": math.inf}),
+        ([1, 2], {"max_tokens": 2, "temperature": -1.0}),
+        ([1, 2], {"max_tokens": 2, "top_p": math.inf}),
+        ([1, 2], {"max_tokens": 2, "top_p": 1.5}),
+        ([1, 2], {"max_tokens": 2, "stop_token_ids": [10**9]}),
+    ]
+    for prompt, sampling in bad:
+        assert _generate(stub, prompt, **sampling) == "INVALID_ARGUMENT", (prompt[:3], sampling)
+    assert _generate(stub, [1, 2, 3], max_tokens=3) == "OK"
+    assert stub.Health(pb.HealthRequest(), timeout=10).serving
+
+
+@settings(_FAST, max_examples=300)
+@given(
+    prompt=st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=8),
+    max_tokens=st.integers(min_value=0, max_value=2**32 - 1),
+    temperature=st.floats(width=32),
+    top_p=st.floats(width=32),
+    top_k=st.integers(min_value=0, max_value=2**32 - 1),
+    seed=st.one_of(st.none(), st.integers(min_value=0, max_value=2**64 - 1)),
+)
+def test_grpc_sampling_property(
+    stub: worker_pb2_grpc.WorkerStub,
+    prompt: list[int],
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+) -> None:
+    """Any wire values: the call finishes or is INVALID_ARGUMENT, and the engine lives on."""
+    sampling: dict[str, Any] = {
+        "max_tokens": min(max_tokens, 4) if max_tokens % 3 else max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+    }
+    if seed is not None:
+        sampling["seed"] = seed
+    outcome = _generate(stub, prompt, **sampling)
+    assert outcome in ("OK", "INVALID_ARGUMENT"), (outcome, prompt, sampling)
+    assert _generate(stub, [1, 2, 3], max_tokens=2) == "OK", (prompt, sampling)
+
+
+def test_total_requests_and_engine_alive(
+    fleet: Fleet, baseline: dict[int, float], stub: worker_pb2_grpc.WorkerStub
+) -> None:
+    """Runs last: the module really sent its share of generated requests, the gateway never
+    answered 5xx, and the worker still serves."""
+    now = _responses(fleet)
+    sent = {c: v - baseline.get(c, 0.0) for c, v in now.items() if v > baseline.get(c, 0.0)}
+    assert not {c: v for c, v in sent.items() if c >= 500}, sent
+    assert sum(sent.values()) >= TOTAL_REQUESTS, sent
+    assert _generate(stub, [4, 5, 6], max_tokens=2) == "OK"
