@@ -91,16 +91,14 @@ def hf_greedy(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
     import torch
 
     config = model.generation_config.__class__.from_dict(model.generation_config.to_dict())
-    # No EOS: generation runs to max_new_tokens without suppressing any token.
-    config.eos_token_id = None
+    # An empty EOS list: generation runs to max_new_tokens without suppressing
+    # any token (None would fall back to the model's EOS and stop early).
+    config.eos_token_id = []
     config.pad_token_id = 0
+    config.max_new_tokens = new_tokens
+    config.do_sample = False
     with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            generation_config=config,
-            max_new_tokens=new_tokens,
-            do_sample=False,
-        )
+        out = model.generate(torch.tensor([prompt]), generation_config=config)
     return out[0, len(prompt) :].tolist()
 
 
@@ -227,12 +225,17 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=defaults.model)
     parser.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
-    parser.add_argument("--shared-tokens", type=int, default=None,
-                        help="prefix shared with the earlier request (default: prompt - 64)")
+    parser.add_argument(
+        "--shared-tokens",
+        type=int,
+        default=None,
+        help="prefix shared with the earlier request (default: prompt - 64)",
+    )
     parser.add_argument("--new-tokens", type=int, default=defaults.new_tokens)
     parser.add_argument("--concurrency", type=int, default=defaults.concurrency)
-    parser.add_argument("--throughput-prompt-tokens", type=int,
-                        default=defaults.throughput_prompt_tokens)
+    parser.add_argument(
+        "--throughput-prompt-tokens", type=int, default=defaults.throughput_prompt_tokens
+    )
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
     parser.add_argument("--dtype", default=defaults.dtype)

@@ -96,7 +96,9 @@ def build_plan(
         table = chunk.block_table
         input_ids.extend(chunk.token_ids)
         positions.extend(range(start, start + n))
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        slots.extend(
+            table[p // block_size] * block_size + p % block_size for p in range(start, start + n)
+        )
         if n == 1:
             decode_rows.append(row)
             decode_tables.append(chunk.block_table)
@@ -137,7 +139,11 @@ def build_plan(
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     """Stores K/V [T, kv_heads, head_dim] into their slots of the paged caches."""
     kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -189,7 +195,8 @@ def paged_attention(
         out[group.rows] = result
     decode = plan.decode
     if decode is None:
-        assert out is not None  # a plan always has at least one group
+        if out is None:
+            raise ValueError("a step plan needs at least one chunk")
         return out
     qd = q if decode.all_rows else q.index_select(0, decode.rows)
     kd = _gather(k_cache, decode.block_table, q.dtype)

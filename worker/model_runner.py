@@ -21,8 +21,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from worker.attention import Chunk, build_plan, paged_attention, write_kv
-from worker.llama import ModelSpec, apply_rope, load_weights, mlp, read_model_spec, rms_norm, rope_tables
+from worker.attention import Chunk, StepPlan, build_plan, paged_attention, write_kv
+from worker.llama import (
+    LayerWeights,
+    ModelSpec,
+    apply_rope,
+    load_weights,
+    mlp,
+    read_model_spec,
+    rms_norm,
+    rope_tables,
+)
 from worker.model_store import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -173,9 +182,6 @@ class ModelRunner:
         if not chunks:
             return torch.empty(0, self.vocab_size, device=self.device)
         plan = build_plan(chunks, self.block_size, self.max_model_len, self.device)
-        num_tokens = plan.num_tokens
-        heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        q_width = heads * head_dim
         cos = self._cos[plan.positions].unsqueeze(1)
         sin = self._sin[plan.positions].unsqueeze(1)
         eps = spec.rms_norm_eps
@@ -183,25 +189,39 @@ class ModelRunner:
         for layer, k_cache, v_cache in zip(
             self.weights.layers, self.k_caches, self.v_caches, strict=True
         ):
-            qkv = F.linear(rms_norm(hidden, layer.input_norm, eps), layer.qkv, layer.qkv_bias)
-            qk = qkv[:, : q_width + kv_heads * head_dim].view(num_tokens, heads + kv_heads, head_dim)
-            v = qkv[:, q_width + kv_heads * head_dim :].view(num_tokens, kv_heads, head_dim)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                # Qwen3 normalises each head of q and k before the rotation.
-                qk = torch.cat(
-                    (
-                        rms_norm(qk[:, :heads], layer.q_norm, eps),
-                        rms_norm(qk[:, heads:], layer.k_norm, eps),
-                    ),
-                    dim=1,
-                )
-            # q and k share each token's rotation: rotate them in one pass.
-            qk = apply_rope(qk, cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-            write_kv(k_cache, v_cache, k, v, plan.slots)
-            attn = paged_attention(q, k, v, k_cache, v_cache, plan)
-            hidden = hidden + F.linear(attn.reshape(num_tokens, q_width), layer.o_proj, layer.o_bias)
+            x = rms_norm(hidden, layer.input_norm, eps)
+            hidden = hidden + self._attention(x, layer, k_cache, v_cache, plan, cos, sin)
             hidden = hidden + mlp(rms_norm(hidden, layer.post_norm, eps), layer)
         last = hidden.index_select(0, plan.logits_rows)
         last = rms_norm(last, self.weights.final_norm, eps)
         return F.linear(last, self.weights.lm_head).float()
+
+    def _attention(
+        self,
+        x: torch.Tensor,
+        layer: LayerWeights,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: StepPlan,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """One layer's self-attention for the step's token batch x [T, hidden]."""
+        spec = self.spec
+        heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qk_width = (heads + kv_heads) * head_dim
+        qk = qkv[:, :qk_width].view(num_tokens, heads + kv_heads, head_dim)
+        v = qkv[:, qk_width:].view(num_tokens, kv_heads, head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            # Qwen3 normalises each head of q and k before the rotation.
+            eps = spec.rms_norm_eps
+            q_normed = rms_norm(qk[:, :heads], layer.q_norm, eps)
+            qk = torch.cat((q_normed, rms_norm(qk[:, heads:], layer.k_norm, eps)), dim=1)
+        # q and k share each token's rotation: rotate them in one pass.
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, :heads], qk[:, heads:]
+        write_kv(k_cache, v_cache, k, v, plan.slots)
+        attn = paged_attention(q, k, v, k_cache, v_cache, plan)
+        return F.linear(attn.reshape(num_tokens, heads * head_dim), layer.o_proj, layer.o_bias)

@@ -8,6 +8,7 @@ batches, and greedy decoding against ``generate``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def test_prompt_in_several_chunks(request: pytest.FixtureRequest, hf_model: HFLo
     # Scattered, non-consecutive block ids prove reads follow the block table.
     table = [9, 2, 17, 0, 30, 11, 4, 25, 13, 6, 19]
     cuts = [0, 13, 16, 30, 41]  # boundaries inside and on block edges
-    for start, end in zip(cuts, cuts[1:], strict=False):
+    for start, end in itertools.pairwise(cuts):
         out = runner.execute([SeqChunk(ids[start:end], start, table, need_logits=True)])
         torch.testing.assert_close(out[0], ref[end - 1], atol=ATOL, rtol=RTOL)
 
@@ -144,11 +145,11 @@ def greedy(
     ``cached[i]`` leading tokens of prompt i are already in the blocks of ``tables[i]``.
     """
     if tables is None:
-        tables = [blocks(40 * i, len(p) + new_tokens, runner.block_size) for i, p in enumerate(prompts)]
+        tables = [
+            blocks(40 * i, len(p) + new_tokens, runner.block_size) for i, p in enumerate(prompts)
+        ]
     cached = cached or [0] * len(prompts)
-    chunks = [
-        SeqChunk(p[c:], c, t, True) for p, t, c in zip(prompts, tables, cached, strict=True)
-    ]
+    chunks = [SeqChunk(p[c:], c, t, True) for p, t, c in zip(prompts, tables, cached, strict=True)]
     outputs: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))
     for _ in range(new_tokens):

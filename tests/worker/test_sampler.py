@@ -74,7 +74,10 @@ def test_tiny_top_p_is_greedy():
         (SamplingParams(temperature=1.0, top_k=2), [0.625, 0.375, 0.0, 0.0]),
         # The mass before token 2 is 0.8 >= 0.7, so tokens 2 and 3 are cut.
         (SamplingParams(temperature=1.0, top_p=0.7), [0.625, 0.375, 0.0, 0.0]),
-        (SamplingParams(temperature=1.0, top_k=3, top_p=0.9), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]),
+        (
+            SamplingParams(temperature=1.0, top_k=3, top_p=0.9),
+            [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0],
+        ),
     ],
 )
 def test_distribution(params: SamplingParams, expected: list[float]):
