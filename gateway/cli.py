@@ -36,7 +36,7 @@ _FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("--port", int, 8000, "port to listen on"),
     ("--policy", str, "kvroute", "routing policy: " + ", ".join(POLICIES)),
     ("--balance-factor", float, 2.0, "bounded load: skip workers above this x mean load"),
-    ("--recompute-weight", float, 24.0, "cost of an uncached prompt token vs a queued one"),
+    ("--recompute-weight", float, 32.0, "cost of an uncached prompt token vs a queued one"),
     ("--session-ttl", float, 600.0, "seconds a session stays pinned after its last request"),
     ("--speculative-ttl", float, 2.0, "seconds a routed prompt counts as cached (0 = off)"),
     ("--max-queue-per-worker", int, 0, "answer 429 when every worker queues this many (0 = off)"),

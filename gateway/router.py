@@ -19,14 +19,17 @@ The ``kvroute`` policy, step by step:
    ``LOAD_SLACK`` requests above the mean, so one request in flight does not
    push a conversation off the worker that holds its cache.
 3. Score per remaining worker: the predicted time to first token,
-   ``(queued_prefill_tokens + recompute_weight * uncached_tokens) / prefill_rate
-   + max(running, inflight) * decode_weight_s``. With ``recompute_weight`` 1
-   this is exactly this request's TTFT; above 1 it also charges what a miss
-   costs the fleet: the recompute delays every request queued behind it and
-   evicts other prefixes to make room. Without it, a short transient queue on
-   the worker holding a 10k-token prefix sends the request to a cold worker,
-   and on the Mooncake trace the fleet hit rate falls to 0.74x the ideal
-   (``loadtest.simulate``; docs/ROUTING.md has the sweep).
+   ``(queued_prefill_tokens + uncached_tokens + (recompute_weight - 1) *
+   duplicate_tokens) / prefill_rate + max(running, inflight) * decode_weight_s``,
+   where ``duplicate_tokens`` are the prompt tokens another worker already
+   holds but this one would recompute. With ``recompute_weight`` 1 this is
+   exactly this request's TTFT; above 1 it also charges what a duplicate costs
+   the fleet: the recompute delays every request queued behind it and evicts
+   other prefixes to make room. Without it, a short transient queue on the
+   worker holding a 10k-token prefix sends the request to a cold worker, and
+   on the Mooncake trace the fleet hit rate falls to 0.74x the ideal
+   (``loadtest.simulate``; docs/ROUTING.md has the sweep). Tokens no worker
+   holds cost the same everywhere and are not weighted.
 4. Workers within ``TIE_RELATIVE`` of the best score are tied: the
    session's last worker wins a tie, then the least loaded, then rotation.
 """
@@ -92,7 +95,7 @@ class RouterConfig:
     balance_factor: float = 2.0  # bounded load: skip workers above factor x mean load
     default_prefill_tokens_per_s: float = 5000.0
     decode_weight_s: float = 0.01
-    recompute_weight: float = 24.0  # cost of an uncached token relative to a queued one
+    recompute_weight: float = 32.0  # cost of an uncached token relative to a queued one
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -157,18 +160,28 @@ class Router:
 
     def predicted_ttft(self, request: RouteRequest, w: WorkerState) -> float:
         """Seconds until ``w`` would emit this request's first token."""
-        return self._cost(request, w, recompute_weight=1.0)
+        return self._cost(request, w, fleet_cached_tokens=0, recompute_weight=1.0)
 
-    def score(self, request: RouteRequest, w: WorkerState) -> float:
-        """The ranking cost of sending the request to ``w`` (step 3): lower is better."""
-        return self._cost(request, w, recompute_weight=self.config.recompute_weight)
+    def score(self, request: RouteRequest, w: WorkerState, fleet_cached_tokens: int) -> float:
+        """The ranking cost of sending the request to ``w`` (step 3): lower is better.
 
-    def _cost(self, request: RouteRequest, w: WorkerState, recompute_weight: float) -> float:
+        ``fleet_cached_tokens`` is the longest cached prefix on any candidate.
+        """
+        return self._cost(request, w, fleet_cached_tokens, self.config.recompute_weight)
+
+    def _cost(
+        self,
+        request: RouteRequest,
+        w: WorkerState,
+        fleet_cached_tokens: int,
+        recompute_weight: float,
+    ) -> float:
         cached = self._cached_tokens(request, w)
         uncached = max(request.prompt_tokens - cached, _MIN_UNCACHED_TOKENS)
+        duplicate = max(fleet_cached_tokens - cached, 0)
+        work = w.queued_prefill_tokens + uncached + (recompute_weight - 1.0) * duplicate
         rate = w.prefill_tokens_per_s or self.config.default_prefill_tokens_per_s
-        decode = max(w.running, w.inflight) * self.config.decode_weight_s
-        return (w.queued_prefill_tokens + recompute_weight * uncached) / rate + decode
+        return work / rate + max(w.running, w.inflight) * self.config.decode_weight_s
 
     def overloaded(self, workers: Sequence[WorkerState]) -> set[str]:
         """Ids of workers over the bounded-load limit (step 2), empty if all would be."""
@@ -186,7 +199,8 @@ class Router:
     def _kvroute(self, request: RouteRequest, ws: list[WorkerState]) -> Decision:
         over = self.overloaded(ws)
         eligible = [w for w in ws if w.worker_id not in over]
-        cost = {w.worker_id: self.score(request, w) for w in ws}
+        fleet_cached = max(self._cached_tokens(request, w) for w in ws)
+        cost = {w.worker_id: self.score(request, w, fleet_cached) for w in ws}
         best = min(cost[w.worker_id] for w in eligible)
         tied = [w for w in eligible if cost[w.worker_id] <= best * (1 + TIE_RELATIVE)]
         session = next((w for w in tied if w.worker_id == request.session_worker), None)

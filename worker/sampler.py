@@ -24,6 +24,10 @@ def new_generator(seed: int | None, device: torch.device | str = "cpu") -> torch
     generator.manual_seed(seed)
     return generator
 
+# Temperatures below this sample the argmax: at 1e-5 a logit gap of 0.001
+# already gives odds of e**100, so nothing is lost, and nothing overflows.
+GREEDY_BELOW = 1e-5
+
 
 class Sampler:
     """Stateless: per-request randomness comes in through ``generators``."""
@@ -44,8 +48,11 @@ class Sampler:
         if rows == 0:
             return []
         tokens = logits.argmax(dim=-1).tolist()
-        # top_k == 1 is greedy however hot the temperature.
-        random_rows = [i for i, p in enumerate(params) if p.temperature > 0 and p.top_k != 1]
+        # top_k == 1 is greedy however hot the temperature, and so is a temperature
+        # too small to divide by (logits / 1e-40 overflows to inf and then nan).
+        random_rows = [
+            i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW and p.top_k != 1
+        ]
         if not random_rows:
             return tokens
         picked = self._sample_random(

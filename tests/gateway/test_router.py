@@ -57,12 +57,15 @@ def test_recompute_weight_keeps_a_long_prefix_through_a_short_queue() -> None:
     # a: (1000 + 48)/1000 = 1.048 s ; b: 640/1000 = 0.64 s -> b, the cold worker
     assert ttft_only.choose(req(640), ws).worker_id == "b"
     weighted = Router(RouterConfig(default_prefill_tokens_per_s=1000.0, recompute_weight=24.0))
-    # a: (1000 + 24*48)/1000 = 2.152 ; b: 24*640/1000 = 15.36 -> a keeps its prefix
+    # a: (1000 + 48)/1000 = 1.048 ; b: (640 + 23 * 592 duplicated)/1000 = 14.256 -> a wins
     d = weighted.choose(req(640), ws)
     assert (d.worker_id, d.reason, d.predicted_cached_tokens) == ("a", "cache", 592)
     # the score ranks, but the reported TTFT prediction stays the plain one
-    assert weighted.score(req(640), ws[0]) == pytest.approx(2.152)
-    assert weighted.predicted_ttft(req(640), ws[0]) == pytest.approx(1.048)
+    assert weighted.score(req(640), ws[0], 592) == pytest.approx(1.048)
+    assert weighted.score(req(640), ws[1], 592) == pytest.approx(14.256)
+    assert weighted.predicted_ttft(req(640), ws[1]) == pytest.approx(0.64)
+    # tokens no worker holds are not weighted: a cold fleet scores plain TTFT
+    assert weighted.score(req(640), ws[1], 0) == pytest.approx(0.64)
     with pytest.raises(ValueError, match="recompute-weight"):
         RouterConfig(recompute_weight=0.5)
 

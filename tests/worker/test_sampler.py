@@ -58,6 +58,14 @@ def test_top_k_one_is_greedy():
     assert Sampler().sample(logits, params, gens) == logits.argmax(-1).tolist()
 
 
+def test_vanishing_temperature_is_greedy_not_nan():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(4))
+    for temperature in (1e-40, 1e-6):
+        params = [SamplingParams(temperature=temperature, seed=i) for i in range(4)]
+        gens = [new_generator(i) for i in range(4)]
+        assert Sampler().sample(logits, params, gens) == logits.argmax(-1).tolist()
+
+
 def test_tiny_top_p_is_greedy():
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(3))
     params = [SamplingParams(temperature=2.0, top_p=1e-6, seed=i) for i in range(8)]
