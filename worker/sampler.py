@@ -24,6 +24,7 @@ def new_generator(seed: int | None, device: torch.device | str = "cpu") -> torch
     generator.manual_seed(seed)
     return generator
 
+
 # Temperatures below this sample the argmax: at 1e-5 a logit gap of 0.001
 # already gives odds of e**100, so nothing is lost, and nothing overflows.
 GREEDY_BELOW = 1e-5
