@@ -246,11 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import sys
 
     from loadtest.workloads import (
-        ChatConfig,
-        SharedPrefixConfig,
-        chat_workload,
         load_trace,
-        shared_prefix_workload,
+        synthetic_workload,
         trace_conversations,
     )
 
@@ -287,31 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.trace:
                 raise ValueError("--trace is required with --workload trace")
             convs = trace_conversations(load_trace(args.trace, limit=args.limit))
-        elif args.workload == "chat":
-            convs = chat_workload(
-                ChatConfig(
-                    users=args.users,
-                    turns=args.turns,
-                    system_tokens=args.system_tokens,
-                    question_tokens=args.question_tokens,
-                    answer_tokens=args.answer_tokens,
-                    think_time_s=args.think_time_s,
-                    arrival_rate=args.arrival_rate,
-                    seed=args.seed,
-                )
-            )
         else:
-            convs = shared_prefix_workload(
-                SharedPrefixConfig(
-                    groups=args.groups,
-                    prompts_per_group=args.prompts_per_group,
-                    system_tokens=args.system_tokens,
-                    question_tokens=args.question_tokens,
-                    output_tokens=args.answer_tokens,
-                    arrival_rate=args.arrival_rate,
-                    seed=args.seed,
-                )
-            )
+            convs = synthetic_workload(args)
     except ValueError as exc:
         print(f"client: {exc}", file=sys.stderr)
         return 2

@@ -35,15 +35,12 @@ from loadtest.fleetsim import (
     ideal_hit_rate,
 )
 from loadtest.workloads import (
-    ChatConfig,
     RequestShape,
-    SharedPrefixConfig,
     TraceChains,
     TraceTokens,
-    chat_workload,
     conversation_shapes,
     load_trace,
-    shared_prefix_workload,
+    synthetic_workload,
 )
 
 log = logging.getLogger(__name__)
@@ -124,31 +121,7 @@ def build_shapes(args: argparse.Namespace) -> list[RequestShape]:
     if args.trace is not None:
         records = load_trace(args.trace, limit=args.limit, time_scale=args.time_scale)
         return list(TraceChains(spec, TraceTokens(seed=args.seed)).shapes(records))
-    if args.workload == "chat":
-        convs = chat_workload(
-            ChatConfig(
-                users=args.users,
-                turns=args.turns,
-                system_tokens=args.system_tokens,
-                question_tokens=args.question_tokens,
-                answer_tokens=args.answer_tokens,
-                think_time_s=args.think_time_s,
-                arrival_rate=args.arrival_rate,
-                seed=args.seed,
-            )
-        )
-    else:
-        convs = shared_prefix_workload(
-            SharedPrefixConfig(
-                groups=args.groups,
-                prompts_per_group=args.prompts_per_group,
-                system_tokens=args.system_tokens,
-                question_tokens=args.question_tokens,
-                output_tokens=args.answer_tokens,
-                arrival_rate=args.arrival_rate,
-                seed=args.seed,
-            )
-        )
+    convs = synthetic_workload(args)
     shapes = conversation_shapes(convs, spec)
     return shapes[: args.limit] if args.limit else shapes
 

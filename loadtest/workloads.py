@@ -19,6 +19,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -204,6 +205,38 @@ def shared_prefix_workload(cfg: SharedPrefixConfig) -> list[Conversation]:
         )
         convs.append(Conversation(f"g{g:03d}p{p:04d}", t, systems[g], (turn,)))
     return convs
+
+
+def synthetic_workload(args: Any) -> list[Conversation]:
+    """The chat or shared-prefix workload named by CLI flags (``args.workload`` and friends).
+
+    One place for the flag-to-config mapping that the load client and the
+    simulator share.
+    """
+    if args.workload == "chat":
+        return chat_workload(
+            ChatConfig(
+                users=args.users,
+                turns=args.turns,
+                system_tokens=args.system_tokens,
+                question_tokens=args.question_tokens,
+                answer_tokens=args.answer_tokens,
+                think_time_s=args.think_time_s,
+                arrival_rate=args.arrival_rate,
+                seed=args.seed,
+            )
+        )
+    return shared_prefix_workload(
+        SharedPrefixConfig(
+            groups=args.groups,
+            prompts_per_group=args.prompts_per_group,
+            system_tokens=args.system_tokens,
+            question_tokens=args.question_tokens,
+            output_tokens=args.answer_tokens,
+            arrival_rate=args.arrival_rate,
+            seed=args.seed,
+        )
+    )
 
 
 def conversation_shapes(convs: Sequence[Conversation], spec: HashSpec) -> list[RequestShape]:
