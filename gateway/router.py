@@ -14,8 +14,9 @@ The ``kvroute`` policy, step by step:
 2. Bounded load: a worker whose load, counting this request, would exceed
    ``balance_factor`` x the fleet's mean load (also counting this request) is
    skipped, unless every worker would be. A hot prefix then spills to a second
-   worker, which caches it too. The factor is capped at ``N - 0.5`` for N
-   workers, since at ``N`` or above it could never trigger. At low concurrency the bound is at least
+   worker, which caches it too. On fleets of N < 4 workers the factor is
+   capped at ``max(1.5, N / 2)``, so no worker holds more than half the
+   outstanding requests (three quarters on two workers). At low concurrency the bound is at least
    ``LOAD_SLACK`` requests above the mean, so one request in flight does not
    push a conversation off the worker that holds its cache.
 3. Score per remaining worker: the predicted time to first token,
@@ -187,9 +188,10 @@ class Router:
         """Ids of workers over the bounded-load limit (step 2), empty if all would be."""
         loads = {w.worker_id: worker_load(w) for w in workers}
         mean = (sum(loads.values()) + 1) / len(loads)
-        # A factor >= the number of workers could never trigger (one worker may
-        # then hold all the work): on small fleets it is capped below that.
-        factor = min(self.config.balance_factor, len(loads) - 0.5)
+        # On a small fleet a factor of 2 lets one worker hold most of the work
+        # (all of it on two workers): cap it so a worker holds at most half the
+        # fleet's outstanding requests, or three quarters on two workers.
+        factor = min(self.config.balance_factor, max(1.5, len(loads) / 2))
         limit = max(factor * mean, mean + LOAD_SLACK)
         over = {wid for wid, load in loads.items() if load + 1 > limit}
         return set() if len(over) == len(loads) else over

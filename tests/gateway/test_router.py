@@ -81,7 +81,7 @@ def test_bounded_load_skips_hot_worker() -> None:
 
 
 def test_two_workers_still_bound_a_hot_prefix() -> None:
-    # With 2 workers a factor of 2 could never trigger; it is capped at 1.5.
+    # With 2 workers a factor of 2 could never trigger; it is capped at max(1.5, N/2).
     router = Router(RouterConfig(balance_factor=2.0))
     hot = WorkerState("a", 30, running=5)
     # mean with this request (5+0+1)/2 = 3, limit max(1.5*3, 3+2) = 5; a would be at 6
@@ -90,6 +90,18 @@ def test_two_workers_still_bound_a_hot_prefix() -> None:
     # at 3 running, a would be at 4 <= limit max(1.5*2, 2+2) = 4: it keeps its prefix
     warm = WorkerState("a", 30, running=3)
     assert router.overloaded([warm, WorkerState("b", 0)]) == set()
+
+
+def test_three_workers_hold_at_most_half() -> None:
+    router = Router(RouterConfig(balance_factor=2.0))
+    # loads 5,4,0: mean with this request 10/3, limit max(1.5*10/3, 10/3+2) = 5.33; a at 6
+    ws = [WorkerState("a", 2, running=5), WorkerState("b", 2, running=4), WorkerState("c", 0)]
+    assert router.overloaded(ws) == {"a"}
+    # 8 workers: the configured factor applies; mean 18/8, limit max(2 * 2.25, 2.25 + 2) = 4.5
+    eight = [WorkerState("a", 2, running=3)] + [
+        WorkerState(f"w{i}", 0, running=2) for i in range(7)
+    ]
+    assert router.overloaded(eight) == set()
 
 
 def test_one_request_in_flight_keeps_affinity() -> None:
