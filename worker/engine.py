@@ -44,105 +44,31 @@ from contract.events import KVEvent
 from contract.hashing import HashSpec
 from worker.batch import Batch
 from worker.block_pool import BlockPool
+from worker.engine_types import (
+    EngineConfig,
+    EngineError,
+    EngineStats,
+    RateMeter,
+    RequestOutput,
+)
 from worker.scheduler import Scheduler, SchedulerConfig
 from worker.sequence import RequestTimings, SamplingParams, validate_prompt
 from worker.sequence import Sequence as Seq
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput", "RequestTimings"]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine limits (the model runner decides block size and pool size)."""
-
-    max_num_seqs: int = 64
-    max_batch_tokens: int = 2048
-    max_model_len: int | None = None  # None = the model's (capped by the pool)
-    enable_prefix_caching: bool = True
-    rate_ema_alpha: float = 0.2  # weight of the newest step in the tokens/s averages
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_batch_tokens < 1:
-            raise ValueError(f"--max-batch-tokens must be at least 1, got {self.max_batch_tokens}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
-        if not 0.0 < self.rate_ema_alpha <= 1.0:
-            raise ValueError(f"rate_ema_alpha must be in (0, 1], got {self.rate_ema_alpha}")
-
-
-@dataclass
-class RequestOutput:
-    """One step's news for one request; the last one has ``finished=True``."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens served from cached full blocks
-    completion_tokens: int
-    ttft_s: float | None  # engine-side, set from the first token on
-
-
-@dataclass
-class EngineStats:
-    """A snapshot of the engine (gauges, measured rates, and monotonic totals)."""
-
-    running: int
-    waiting: int
-    queued_prefill_tokens: int
-    num_blocks: int
-    free_blocks: int
-    used_blocks: int
-    cached_blocks: int
-    pinned_blocks: int
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    prompt_tokens_total: int
-    cached_prompt_tokens_total: int
-    generation_tokens_total: int
-    evictions_total: int
-    preemptions_total: int
-    requests_total: int
-
-
-class RateMeter:
-    """Exponential moving averages of prefill and decode throughput over recent steps.
-
-    A step with prefill tokens samples the prefill rate as *all* its tokens
-    over its time (decode tokens ride along at about the same cost per
-    token), which is what predicts how fast queued prefill drains. A step
-    with decode tokens samples the decode rate as its decode tokens over its
-    time: the generation throughput actually delivered.
-    """
-
-    def __init__(self, alpha: float) -> None:
-        self.alpha = alpha
-        self.prefill = 0.0
-        self.decode = 0.0
-
-    def update(self, prefill_tokens: int, decode_tokens: int, elapsed_s: float) -> None:
-        if elapsed_s <= 0:
-            return
-        if prefill_tokens:
-            self.prefill = self._mix(self.prefill, (prefill_tokens + decode_tokens) / elapsed_s)
-        if decode_tokens:
-            self.decode = self._mix(self.decode, decode_tokens / elapsed_s)
-
-    def _mix(self, old: float, sample: float) -> float:
-        return sample if old == 0.0 else self.alpha * sample + (1.0 - self.alpha) * old
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "EngineStats",
+    "RequestOutput",
+    "RequestTimings",
+]
 
 
 FinishedHook = Callable[[RequestOutput, RequestTimings], None]
 _Command = Callable[[], None]
-
-
-class EngineError(RuntimeError):
-    """The engine could not run a request's step (the runner or sampler failed)."""
 
 
 @dataclass
