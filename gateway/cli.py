@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(sys.argv[1:] if argv is None else argv)
     except ValueError as exc:
-        print(f"kvroute gateway: {exc}", file=sys.stderr)
+        sys.stderr.write(f"kvroute gateway: {exc}\n")
         return 2
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -220,6 +220,28 @@ def chat_response(
     }
 
 
+def _stream_chunk(
+    rid: str,
+    obj: str,
+    model: str,
+    created: int,
+    choice: dict[str, Any] | None,
+    usage: dict[str, Any] | None,
+    with_usage_field: bool,
+) -> dict[str, Any]:
+    """One SSE chunk; ``choice`` None makes the usage-only chunk (empty ``choices``)."""
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [] if choice is None else [choice],
+    }
+    if with_usage_field:
+        chunk["usage"] = usage
+    return chunk
+
+
 def chat_chunk(
     rid: str,
     model: str,
@@ -229,21 +251,14 @@ def chat_chunk(
     usage: dict[str, Any] | None = None,
     with_usage_field: bool = False,
 ) -> dict[str, Any]:
-    choices = (
-        []
+    choice = (
+        None
         if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        else {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
     )
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if with_usage_field:
-        chunk["usage"] = usage
-    return chunk
+    return _stream_chunk(
+        rid, "chat.completion.chunk", model, created, choice, usage, with_usage_field
+    )
 
 
 def completion_response(
@@ -268,18 +283,9 @@ def completion_chunk(
     usage: dict[str, Any] | None = None,
     with_usage_field: bool = False,
 ) -> dict[str, Any]:
-    choices = (
-        []
+    choice = (
+        None
         if text is None
-        else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
     )
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if with_usage_field:
-        chunk["usage"] = usage
-    return chunk
+    return _stream_chunk(rid, "text_completion", model, created, choice, usage, with_usage_field)
