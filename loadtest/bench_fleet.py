@@ -376,6 +376,42 @@ def run(cfg: FleetBenchConfig, *, progress: bool = False) -> dict[str, Any]:
     }
 
 
+# Fleet and chat-workload flags shared by bench_fleet and bench_peers: each is
+# a FleetBenchConfig field of the same name.
+_FLEET_FLAGS: tuple[tuple[str, type], ...] = (
+    *(
+        (name, int)
+        for name in (
+            "workers",
+            "users",
+            "turns",
+            "system_tokens",
+            "question_tokens",
+            "answer_tokens",
+            "seed",
+            "num_blocks",
+            "max_num_seqs",
+            "worker_threads",
+        )
+    ),
+    ("think_time_s", float),
+    ("arrival_rate", float),
+)
+
+
+def add_fleet_flags(p: argparse.ArgumentParser, d: FleetBenchConfig) -> None:
+    """Adds ``--model`` and every flag in ``_FLEET_FLAGS``, defaulting to ``d``."""
+    p.add_argument("--model", default=d.model, help="model folder or alias (default smollm2)")
+    for name, kind in _FLEET_FLAGS:
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=getattr(d, name))
+
+
+def fleet_config_from_args(args: argparse.Namespace, **fields: Any) -> FleetBenchConfig:
+    """The ``FleetBenchConfig`` the shared flags describe, plus ``fields``."""
+    shared = {name: getattr(args, name) for name, _ in _FLEET_FLAGS}
+    return FleetBenchConfig(model=args.model, log_dir=args.log_dir, **shared, **fields)
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = FleetBenchConfig()
     p = argparse.ArgumentParser(
@@ -383,24 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default=d.model, help="model folder or alias (default smollm2)")
-    p.add_argument("--workers", type=int, default=d.workers)
+    add_fleet_flags(p, d)
     p.add_argument("--policies", default=",".join(d.policies), help="comma-separated")
-    for name in (
-        "users",
-        "turns",
-        "system_tokens",
-        "question_tokens",
-        "answer_tokens",
-        "seed",
-        "num_blocks",
-        "max_num_seqs",
-        "worker_threads",
-        "from_turn",
-    ):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
-    p.add_argument("--think-time-s", type=float, default=d.think_time_s)
-    p.add_argument("--arrival-rate", type=float, default=d.arrival_rate, help="users per second")
+    p.add_argument("--from-turn", type=int, default=d.from_turn)
     p.add_argument("--log-dir", default="", help="keep each process's log under DIR/<policy>/")
     p.add_argument("--plot", default="", help="write the per-turn PNG here")
     p.add_argument("--json", action="store_true", help="compact JSON (default: indented)")
@@ -412,23 +433,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        cfg = FleetBenchConfig(
-            model=args.model,
-            workers=args.workers,
+        cfg = fleet_config_from_args(
+            args,
             policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
-            users=args.users,
-            turns=args.turns,
-            system_tokens=args.system_tokens,
-            question_tokens=args.question_tokens,
-            answer_tokens=args.answer_tokens,
-            think_time_s=args.think_time_s,
-            arrival_rate=args.arrival_rate,
-            seed=args.seed,
-            num_blocks=args.num_blocks,
-            max_num_seqs=args.max_num_seqs,
-            worker_threads=args.worker_threads,
             from_turn=args.from_turn,
-            log_dir=args.log_dir,
         )
         FleetConfig(workers=cfg.workers)  # validates --workers before anything starts
         cfg.chat()

@@ -40,7 +40,9 @@ from typing import Any
 
 from loadtest.bench_fleet import (
     FleetBenchConfig,
+    add_fleet_flags,
     fleet_config,
+    fleet_config_from_args,
     jsonable,
     measure,
     run_policy,
@@ -262,21 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--routers", default=",".join(dp.routers), help="comma-separated")
-    p.add_argument("--model", default=d.model)
-    for name in (
-        "workers",
-        "users",
-        "turns",
-        "system_tokens",
-        "question_tokens",
-        "answer_tokens",
-        "seed",
-        "num_blocks",
-        "worker_threads",
-    ):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
-    p.add_argument("--think-time-s", type=float, default=d.think_time_s)
-    p.add_argument("--arrival-rate", type=float, default=d.arrival_rate)
+    add_fleet_flags(p, d)
     p.add_argument("--peers-venv", default=dp.peers_venv)
     p.add_argument("--wheel-dir", default=dp.wheel_dir, help="local peer wheels, if any")
     p.add_argument("--log-dir", default="", help="process logs (default /tmp/kvroute-bench-peers)")
@@ -285,22 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        cfg = FleetBenchConfig(
-            model=args.model,
-            workers=args.workers,
-            users=args.users,
-            turns=args.turns,
-            system_tokens=args.system_tokens,
-            question_tokens=args.question_tokens,
-            answer_tokens=args.answer_tokens,
-            think_time_s=args.think_time_s,
-            arrival_rate=args.arrival_rate,
-            seed=args.seed,
-            num_blocks=args.num_blocks,
-            worker_threads=args.worker_threads,
-            from_turn=min(3, args.turns),
-            log_dir=args.log_dir,
-        )
+        cfg = fleet_config_from_args(args, from_turn=min(3, args.turns))
         cfg.chat()
         pcfg = PeersConfig(
             routers=tuple(r.strip() for r in args.routers.split(",") if r.strip()),
