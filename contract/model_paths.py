@@ -3,7 +3,7 @@
 The gateway tokenizes exactly as the workers do only if both read the same
 tokenizer files. ``--model`` on either side may be a folder, a ``.gguf`` file
 or the alias ``smollm2``; this module maps each to one folder path. It never
-converts or downloads: the worker converts a GGUF once (``worker.model_store``)
+converts or downloads: the worker converts a GGUF once (``worker.model.store``)
 into the folder named here, and the gateway waits for or reads that folder.
 """
 

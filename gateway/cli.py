@@ -21,8 +21,8 @@ from aiohttp import web
 
 from contract.redis_url import PASSWORD_ENV, with_password
 from gateway.config import LOG_LEVELS, GatewayConfig
-from gateway.model_path import resolve_model_dir
-from gateway.router import POLICIES, RouterConfig
+from gateway.routing.router import POLICIES, RouterConfig
+from gateway.text.tokenizer_folder import resolve_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def config_from_args(argv: list[str]) -> GatewayConfig:
 
 async def serve(config: GatewayConfig) -> None:
     """Runs the gateway until SIGINT/SIGTERM."""
-    from gateway.app import create_app
+    from gateway.edge.app import create_app
 
     app = create_app(config)
     # Cancelling a handler when its client disconnects aborts the worker request too.

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from contract.redis_layout import DEFAULT_NAMESPACE, RedisLayout
-from gateway.router import RouterConfig
+from gateway.routing.router import RouterConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 

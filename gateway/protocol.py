@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import APIError
+from gateway.edge.errors import APIError
 
 MAX_STOP_STRINGS = 4
 

@@ -71,7 +71,7 @@ def random_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
 
 async def run_request(engine: Any, request_id: str, prompt: list[int], max_tokens: int) -> dict:
     """One greedy request to completion: its tokens, client-side TTFT and cached tokens."""
-    from worker.sequence import SamplingParams
+    from worker.engine.sequence import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
@@ -130,8 +130,8 @@ async def bench_throughput(engine: Any, prompts: list[list[int]], new_tokens: in
 
 async def run_engine_part(cfg: BenchConfig) -> tuple[dict, dict, dict]:
     from contract.hashing import HashSpec
-    from worker.engine import Engine, EngineConfig
-    from worker.model_runner import ModelRunner
+    from worker.engine.core import Engine, EngineConfig
+    from worker.model.runner import ModelRunner
 
     per_prompt = math.ceil((cfg.prompt_tokens + 1) / cfg.block_size)
     per_tput = math.ceil((cfg.throughput_prompt_tokens + cfg.new_tokens) / cfg.block_size)
@@ -167,7 +167,7 @@ def run_hf_part(cfg: BenchConfig, ttft: dict, tput: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from worker.model_store import resolve_model
+    from worker.model.store import resolve_model
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model), dtype=dtype[cfg.dtype])

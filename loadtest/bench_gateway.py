@@ -23,19 +23,19 @@ from typing import Any
 
 from contract.hashing import HashSpec, block_hashes
 from contract.redis_layout import RedisLayout, WorkerRecord
-from gateway.auth import ANONYMOUS
-from gateway.dispatch import Dispatcher, Job
-from gateway.index import BlockIndex
-from gateway.metrics import GatewayMetrics
-from gateway.mirror import IndexMirror, WorkerEntry
-from gateway.model_path import resolve_model_dir
-from gateway.prefix_tokens import Prompt
+from gateway.edge.auth import ANONYMOUS
+from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.window_stats import RollingStats
 from gateway.protocol import parse_chat
-from gateway.proxy import WorkerClients
-from gateway.router import Router, RouterConfig
-from gateway.sessions import SessionMap
-from gateway.stats import RollingStats
-from gateway.tokenizer import ChatTokenizer
+from gateway.routing.dispatch import Dispatcher, Job
+from gateway.routing.index import BlockIndex
+from gateway.routing.mirror import IndexMirror, WorkerEntry
+from gateway.routing.router import Router, RouterConfig
+from gateway.routing.sessions import SessionMap
+from gateway.text.prefix_tokens import Prompt
+from gateway.text.tokenizer import ChatTokenizer
+from gateway.text.tokenizer_folder import resolve_model_dir
+from gateway.upstream.grpc_worker import WorkerClients
 
 _WORDS = [
     "cache",

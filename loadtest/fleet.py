@@ -239,7 +239,7 @@ class Fleet:
             return 0
 
     def start(self) -> None:
-        from worker.model_store import resolve_model
+        from worker.model.store import resolve_model
 
         # Resolve (and for a GGUF, convert) once here, so workers do not race to
         # convert and the gateway reads the very folder the workers load.

@@ -13,11 +13,11 @@ A discrete-event simulation of one gateway and N workers:
   ``event_delay_s`` later, plus speculative entries for ``speculative_ttl_s``
   after each routing, exactly as the gateway adds them. Registry load
   (running, waiting, queued prefill tokens, free blocks) is refreshed every
-  ``heartbeat_s`` and corrected the way ``gateway.dispatch`` corrects it:
+  ``heartbeat_s`` and corrected the way ``gateway.routing.dispatch`` corrects it:
   finishes seen since the heartbeat are subtracted, queued prefill tokens are
   at least this gateway's own not-yet-started prompt tokens, and ``inflight``
   is the gateway's own exact count.
-- Gateway policies are decided by ``gateway.router.Router`` itself;
+- Gateway policies are decided by ``gateway.routing.router.Router`` itself;
   ``chwbl`` and ``sglang_like`` come from ``loadtest.baselines``.
 
 Multi-turn shapes (``RequestShape.after``) arrive when their previous turn
@@ -34,7 +34,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.router import POLICIES, Router, RouterConfig, RouteRequest, WorkerState
+from gateway.routing.router import POLICIES, Router, RouterConfig, RouteRequest, WorkerState
 from loadtest.baselines import Chwbl, SglangLike
 from loadtest.blockcache import BlockCache
 from loadtest.workloads import RequestShape
@@ -350,7 +350,7 @@ class FleetSimulation:
         return route_gateway
 
     def worker_state(self, wid: str, cached_blocks: int, now: float) -> WorkerState:
-        """The router's view of ``wid``, built the way ``gateway.dispatch`` builds it."""
+        """The router's view of ``wid``, built the way ``gateway.routing.dispatch`` builds it."""
         cfg = self.cfg
         if cfg.heartbeat_s == 0:
             running, waiting, queued, free = self.workers[wid].live_state(now)

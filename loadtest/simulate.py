@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from contract.hashing import HashSpec
-from gateway.router import RouterConfig
+from gateway.routing.router import RouterConfig
 from loadtest import stats
 from loadtest.fleetsim import (
     SIM_POLICIES,
@@ -263,7 +263,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="set a further gateway.router.RouterConfig field (repeatable)",
+        help="set a further gateway.routing.router.RouterConfig field (repeatable)",
     )
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -12,7 +12,7 @@ import shutil
 from importlib.util import find_spec
 from pathlib import Path
 
-from worker.model_store import resolve_model
+from worker.model.store import resolve_model
 
 
 def smollm2_dir() -> Path:

@@ -1,5 +1,5 @@
 """``python -m worker``: the same as ``kvroute worker``."""
 
-from worker.cli import main
+from worker.serve.cli import main
 
 raise SystemExit(main())

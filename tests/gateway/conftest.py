@@ -17,10 +17,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from contract.hashing import HashSpec, block_hashes
 from contract.redis_layout import RedisLayout
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.state import STATE, GatewayState
-from gateway.tokenizer import ChatTokenizer
+from gateway.edge.app import create_app
+from gateway.edge.app_keys import STATE, GatewayState
+from gateway.text.tokenizer import ChatTokenizer
 from tests.gateway.fakes import FakeRegistration, FakeWorker
 from tests.gateway.helpers import eventually, namespace
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import config_from_args, main
-from gateway.model_path import resolve_model_dir
+from gateway.text.tokenizer_folder import resolve_model_dir
 
 
 def test_flags_build_the_config(smollm2: Path, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.detokenizer import IncrementalDetokenizer
+from gateway.text.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from gateway.tokenizer import ChatTokenizer
+from gateway.text.tokenizer import ChatTokenizer
 from tests.gateway.helpers import namespace
 from tests.support import free_port, wait_for_port, wait_until
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.index import BlockIndex
+from gateway.routing.index import BlockIndex
 
 
 def test_longest_prefix_counts_from_block_zero() -> None:

@@ -13,8 +13,8 @@ import redis.asyncio as aioredis
 from contract.events import AllBlocksCleared, BlockStored
 from contract.hashing import HashSpec
 from contract.redis_layout import RedisLayout
-from gateway.index import BlockIndex
-from gateway.mirror import IndexMirror
+from gateway.routing.index import BlockIndex
+from gateway.routing.mirror import IndexMirror
 from tests.gateway.fakes import FakeRegistration
 from tests.gateway.helpers import eventually, namespace
 from tests.support import RedisProcess

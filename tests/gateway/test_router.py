@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.router import (
+from gateway.routing.router import (
     Decision,
     Router,
     RouterConfig,

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contract.hashing import HashSpec, block_hashes
-from gateway.prefix_tokens import PrefixTokenCache
-from gateway.tokenizer import ChatTokenizer
+from gateway.text.prefix_tokens import PrefixTokenCache
+from gateway.text.tokenizer import ChatTokenizer
 from tests.models import qwen3_tokenizer_dir
 
 

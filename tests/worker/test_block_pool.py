@@ -6,7 +6,7 @@ import pytest
 
 from contract.events import AllBlocksCleared, BlockRemoved, BlockStored
 from contract.hashing import HashSpec, block_hashes
-from worker.block_pool import BlockPool
+from worker.engine.block_pool import BlockPool
 
 BS = 4
 SPEC = HashSpec(block_size=BS, model="test")

@@ -18,10 +18,10 @@ import torch
 
 from contract.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from contract.hashing import HashSpec, block_hashes
-from worker.batch import SeqChunk
-from worker.engine import Engine, EngineConfig, EngineStats, RequestOutput
-from worker.sampler import Sampler
-from worker.sequence import RequestTimings, SamplingParams
+from worker.engine.batch import SeqChunk
+from worker.engine.core import Engine, EngineConfig, EngineStats, RequestOutput
+from worker.engine.sequence import RequestTimings, SamplingParams
+from worker.model.sampler import Sampler
 
 BS = 4
 VOCAB = 50

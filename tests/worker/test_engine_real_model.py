@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from contract.hashing import HashSpec
-from worker.engine import Engine, EngineConfig, RequestOutput
-from worker.model_runner import ModelRunner
-from worker.sequence import SamplingParams
+from worker.engine.core import Engine, EngineConfig, RequestOutput
+from worker.engine.sequence import SamplingParams
+from worker.model.runner import ModelRunner
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog while the patient cat watches from the "

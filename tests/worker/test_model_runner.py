@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.batch import SeqChunk
-from worker.model_runner import ModelRunner
+from worker.engine.batch import SeqChunk
+from worker.model.runner import ModelRunner
 
 ATOL = 2e-4
 RTOL = 1e-4
@@ -318,7 +318,7 @@ def test_attributes(smollm2: Path, tiny_qwen2: Path):
 def test_capacity_from_memory_fraction(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch):
     # 2 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 bytes
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4
-    monkeypatch.setattr("worker.model_runner._available_ram_bytes", lambda: 300 * block_bytes)
+    monkeypatch.setattr("worker.model.runner._available_ram_bytes", lambda: 300 * block_bytes)
     runner = ModelRunner(tiny_llama, block_size=16, memory_fraction=0.5)
     assert runner.block_bytes == block_bytes
     assert runner.num_blocks == 150 and runner.k_caches[1].shape[0] == 150

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from contract.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from contract.redis_layout import EVENT_FIELD, RedisLayout, WorkerRecord
 from tests.support import RedisProcess
-from worker.publisher import EventQueue, Publisher, PublisherConfig, net_effect
+from worker.publish.publisher import EventQueue, Publisher, PublisherConfig, net_effect
 
 
 @dataclass

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from worker.sampler import Sampler, new_generator
-from worker.sequence import SamplingParams
+from worker.engine.sequence import SamplingParams
+from worker.model.sampler import Sampler, new_generator
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 

@@ -6,10 +6,10 @@ import pytest
 
 from contract.events import BlockStored
 from contract.hashing import HashSpec, block_hashes
-from worker.batch import Batch
-from worker.block_pool import BlockPool
-from worker.scheduler import Scheduler, SchedulerConfig
-from worker.sequence import SamplingParams, Sequence, SequenceStatus
+from worker.engine.batch import Batch
+from worker.engine.block_pool import BlockPool
+from worker.engine.scheduler import Scheduler, SchedulerConfig
+from worker.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 BS = 4
 SPEC = HashSpec(block_size=BS, model="test")
@@ -218,7 +218,7 @@ def test_hash_collision_is_confirmed_against_tokens(monkeypatch: pytest.MonkeyPa
         # Every chain hashes to 1, 2, 3...: different prompts collide.
         return list(range(len(existing) + 1, len(token_ids) // spec.block_size + 1))
 
-    monkeypatch.setattr("worker.sequence.extend_block_hashes", colliding)
+    monkeypatch.setattr("worker.engine.sequence.extend_block_hashes", colliding)
     sched = make()
     sched.add(seq("a", [1, 2, 3, 4, 5], max_tokens=1))
     step(sched)

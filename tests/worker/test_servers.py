@@ -31,11 +31,11 @@ from contract import worker_pb2_grpc
 from contract.hashing import HashSpec
 from contract.redis_layout import RedisLayout, WorkerRecord
 from tests.support import RedisProcess, free_port, wait_until
-from worker.engine import Engine, EngineConfig
-from worker.grpc_server import WorkerService, start_grpc_server
-from worker.http_server import create_app, start_http_server
-from worker.metrics import WorkerMetrics
-from worker.publisher import EventQueue, Publisher, PublisherConfig
+from worker.engine.core import Engine, EngineConfig
+from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
+from worker.serve.grpc_server import WorkerService, start_grpc_server
+from worker.serve.http_server import create_app, start_http_server
+from worker.serve.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,7 +46,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama: Path):
-    from worker.model_runner import ModelRunner
+    from worker.model.runner import ModelRunner
 
     return ModelRunner(tiny_llama, block_size=BLOCK, num_blocks=NUM_BLOCKS)
 
@@ -59,7 +59,7 @@ def tokenizer(tiny_llama: Path):
 
 
 class Stack:
-    """Engine + publisher + gRPC + HTTP, wired as ``worker.cli`` wires them."""
+    """Engine + publisher + gRPC + HTTP, wired as ``worker.serve.cli`` wires them."""
 
     def __init__(self, runner, tokenizer, redis_url: str, model: str = "tiny") -> None:
         self.worker_id = "w-" + uuid.uuid4().hex[:8]
@@ -324,7 +324,7 @@ async def test_grpc_over_tls(runner, tmp_path: Path) -> None:
             with pytest.raises(grpc.aio.AioRpcError):
                 await worker_pb2_grpc.WorkerStub(plain).Health(pb.HealthRequest(), timeout=2)
         # The gateway's worker clients dial the same server over TLS with --grpc-tls-ca.
-        from gateway.proxy import WorkerClients
+        from gateway.upstream.grpc_worker import WorkerClients
 
         clients = WorkerClients(tls_ca=cert.read_bytes())
         try:
@@ -565,7 +565,7 @@ async def test_killing_redis_does_not_fail_requests_and_restart_restores_state(
 async def test_smollm2_chat_over_http(smollm2: Path, redis_url: str) -> None:
     from transformers import AutoTokenizer
 
-    from worker.model_runner import ModelRunner
+    from worker.model.runner import ModelRunner
 
     model_runner = ModelRunner(smollm2, block_size=BLOCK, num_blocks=64)
     s = await Stack(

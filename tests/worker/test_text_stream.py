@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.text_stream import Detokenizer, TextStream
+from worker.serve.text_stream import Detokenizer, TextStream
 
 TEXT = "héllo 世界 🎉 ok"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.config import config_from_args, env_name
+from worker.serve.config import config_from_args, env_name
 
 
 def test_flags_win_over_env_and_env_over_defaults(tmp_path: Path) -> None:

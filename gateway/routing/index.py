@@ -1,6 +1,6 @@
 """The gateway's in-memory block index: which worker holds which block hash.
 
-A mirror of every worker's Redis block set (``gateway.mirror`` keeps it
+A mirror of every worker's Redis block set (``gateway.routing.mirror`` keeps it
 current), plus *speculative* entries: right after a request is routed to a
 worker, that worker is assumed to hold the request's blocks for a few
 seconds, so a burst of siblings stays together before the real events land.

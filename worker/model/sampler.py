@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from worker.sequence import SamplingParams
+from worker.engine.sequence import SamplingParams
 
 
 def new_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

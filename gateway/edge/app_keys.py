@@ -9,16 +9,16 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.auth import ApiKeys, Tenant
 from gateway.config import GatewayConfig
-from gateway.dispatch import Dispatcher
-from gateway.index import BlockIndex
-from gateway.metrics import GatewayMetrics
-from gateway.mirror import IndexMirror
-from gateway.proxy import WorkerClients
-from gateway.sessions import SessionMap
-from gateway.stats import RollingStats
-from gateway.tokenizer import ChatTokenizer
+from gateway.edge.auth import ApiKeys, Tenant
+from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.window_stats import RollingStats
+from gateway.routing.dispatch import Dispatcher
+from gateway.routing.index import BlockIndex
+from gateway.routing.mirror import IndexMirror
+from gateway.routing.sessions import SessionMap
+from gateway.text.tokenizer import ChatTokenizer
+from gateway.upstream.grpc_worker import WorkerClients
 
 
 @dataclass

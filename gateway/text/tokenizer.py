@@ -3,7 +3,7 @@
 ``apply_chat_template(messages, add_generation_prompt=True)`` rendered to text
 and encoded without extra special tokens gives exactly the ids the worker
 computes, so the gateway's block hashes match the worker's. Multi-turn chats
-reuse the ids of earlier turns (``gateway.prefix_tokens``); a long uncached
+reuse the ids of earlier turns (``gateway.text.prefix_tokens``); a long uncached
 suffix is tokenized on an executor thread so the event loop never stalls.
 Transformers' tokenizers work without torch; this module never imports it.
 """
@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.prefix_tokens import PrefixTokenCache, Prompt
+from gateway.text.prefix_tokens import PrefixTokenCache, Prompt
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def _max_model_len(model_dir: Path, tokenizer: Any) -> int:
 
 
 class ChatTokenizer:
-    """Renders, encodes and (via ``gateway.detokenizer``) decodes for one model."""
+    """Renders, encodes and (via ``gateway.text.detokenizer``) decodes for one model."""
 
     def __init__(
         self,

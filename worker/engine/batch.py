@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from worker.sequence import Sequence
+    from worker.engine.sequence import Sequence
 
 
 @dataclass

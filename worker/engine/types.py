@@ -1,7 +1,7 @@
 """The engine's public value types: limits, per-step outputs, stats, errors.
 
-Kept apart from ``worker.engine`` (the thread and its loop) so servers,
-metrics and tests can use them without reading the loop; ``worker.engine``
+Kept apart from ``worker.engine.core`` (the thread and its loop) so servers,
+metrics and tests can use them without reading the loop; ``worker.engine.core``
 re-exports every name.
 """
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from contract.hashing import HashSpec
 from contract.redis_layout import WorkerRecord
-from worker.config import WorkerConfig, config_from_args
+from worker.serve.config import WorkerConfig, config_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,12 @@ class WorkerProcess:
 
     async def start(self) -> None:
         """Loads the model and starts every component; raises if a port cannot be bound."""
-        from worker.engine import Engine, EngineConfig
-        from worker.grpc_server import WorkerService, start_grpc_server
-        from worker.metrics import WorkerMetrics
-        from worker.model_runner import ModelRunner
-        from worker.model_store import resolve_model
-        from worker.publisher import EventQueue, Publisher, PublisherConfig
+        from worker.engine.core import Engine, EngineConfig
+        from worker.model.runner import ModelRunner
+        from worker.model.store import resolve_model
+        from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
+        from worker.serve.grpc_server import WorkerService, start_grpc_server
+        from worker.serve.metrics import WorkerMetrics
 
         cfg = self.config
         model_dir = await asyncio.to_thread(resolve_model, cfg.model)
@@ -127,7 +127,7 @@ class WorkerProcess:
         )
         http_address = ""
         if cfg.http_port:
-            from worker.http_server import create_app, start_http_server
+            from worker.serve.http_server import create_app, start_http_server
 
             app = create_app(
                 self.engine,

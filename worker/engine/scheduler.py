@@ -27,9 +27,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from worker.batch import Batch, SeqChunk
-from worker.block_pool import BlockPool
-from worker.sequence import Sequence, SequenceStatus
+from worker.engine.batch import Batch, SeqChunk
+from worker.engine.block_pool import BlockPool
+from worker.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

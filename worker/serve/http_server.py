@@ -9,8 +9,8 @@ a tokenizer from the worker.
 
 Text goes through the model folder's own tokenizer and chat template
 (``apply_chat_template(add_generation_prompt=True)``), tokenized off the event
-loop; request bodies are parsed in ``worker.openai_protocol`` and output text
-is assembled by ``worker.text_stream`` (incremental, stop strings). A client
+loop; request bodies are parsed in ``worker.serve.openai_protocol`` and output text
+is assembled by ``worker.serve.text_stream`` (incremental, stop strings). A client
 that disconnects cancels its handler, which aborts the engine request.
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 
 from aiohttp import web
 
-from worker.engine import EngineError
-from worker.metrics import CONTENT_TYPE, WorkerMetrics
-from worker.openai_protocol import (
+from worker.engine.core import EngineError
+from worker.serve.metrics import CONTENT_TYPE, WorkerMetrics
+from worker.serve.openai_protocol import (
     BadRequest,
     Job,
     build_job,
@@ -38,7 +38,7 @@ from worker.openai_protocol import (
     render_chat_text,
     usage_body,
 )
-from worker.text_stream import TextStream
+from worker.serve.text_stream import TextStream
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class FrontInfo:
     max_model_len: int
 
 
-# The engine and tokenizer are duck-typed (worker.engine.Engine, a transformers tokenizer).
+# The engine and tokenizer are duck-typed (worker.engine.core.Engine, a transformers tokenizer).
 ENGINE: web.AppKey[Any] = web.AppKey("engine")
 TOKENIZER: web.AppKey[Any] = web.AppKey("tokenizer")
 METRICS = web.AppKey("metrics", WorkerMetrics)

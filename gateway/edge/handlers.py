@@ -19,11 +19,9 @@ import grpc
 from aiohttp import web
 
 from contract import worker_pb2
-from gateway.auth import ANONYMOUS, Tenant
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.dispatch import Job, Stream
-from gateway.errors import APIError
-from gateway.prefix_tokens import Prompt
+from gateway.edge.app_keys import STATE, TENANT, GatewayState
+from gateway.edge.auth import ANONYMOUS, Tenant
+from gateway.edge.errors import APIError
 from gateway.protocol import (
     SamplingRequest,
     chat_chunk,
@@ -34,7 +32,9 @@ from gateway.protocol import (
     parse_completion,
     usage_dict,
 )
-from gateway.state import STATE, TENANT, GatewayState
+from gateway.routing.dispatch import Job, Stream
+from gateway.text.detokenizer import IncrementalDetokenizer
+from gateway.text.prefix_tokens import Prompt
 
 logger = logging.getLogger(__name__)
 

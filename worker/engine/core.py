@@ -42,18 +42,18 @@ from typing import Any
 
 from contract.events import KVEvent
 from contract.hashing import HashSpec
-from worker.batch import Batch
-from worker.block_pool import BlockPool
-from worker.engine_types import (
+from worker.engine.batch import Batch
+from worker.engine.block_pool import BlockPool
+from worker.engine.scheduler import Scheduler, SchedulerConfig
+from worker.engine.sequence import RequestTimings, SamplingParams, validate_prompt
+from worker.engine.sequence import Sequence as Seq
+from worker.engine.types import (
     EngineConfig,
     EngineError,
     EngineStats,
     RateMeter,
     RequestOutput,
 )
-from worker.scheduler import Scheduler, SchedulerConfig
-from worker.sequence import RequestTimings, SamplingParams, validate_prompt
-from worker.sequence import Sequence as Seq
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class Engine:
             config.max_model_len or runner.max_model_len, self.num_blocks * self.block_size
         )
         if sampler is None:
-            from worker.sampler import Sampler
+            from worker.model.sampler import Sampler
 
             sampler = Sampler()
         self.sampler = sampler
@@ -362,7 +362,7 @@ class Engine:
             return []
         for seq in seqs:
             if seq.params.seed is not None and seq.generator is None:
-                from worker.sampler import new_generator
+                from worker.model.sampler import new_generator
 
                 seq.generator = new_generator(seq.params.seed, logits.device)
         return list(

@@ -28,7 +28,7 @@ FP8 = torch.float8_e4m3fn
 
 
 class Chunk(Protocol):
-    """What the runner needs from ``worker.batch.SeqChunk``."""
+    """What the runner needs from ``worker.engine.batch.SeqChunk``."""
 
     token_ids: list[int]
     start_pos: int

@@ -3,7 +3,7 @@
 Owns everything that depends on the checkpoint format of Hugging Face
 Llama-style decoders (Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with
 per-head q/k norms, SmolLM). The paged attention and the KV cache live in
-``worker.attention`` and ``worker.model_runner``; this module never sees a
+``worker.model.attention`` and ``worker.model.runner``; this module never sees a
 block table.
 
 Projections are fused at load time (q|k|v into one matrix, gate|up into one)

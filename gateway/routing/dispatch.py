@@ -25,16 +25,16 @@ import grpc
 
 from contract import worker_pb2
 from contract.hashing import HashSpec
-from gateway.auth import Tenant
-from gateway.errors import APIError
-from gateway.index import BlockIndex
-from gateway.metrics import GatewayMetrics
-from gateway.mirror import IndexMirror, WorkerEntry
-from gateway.prefix_tokens import Prompt
-from gateway.proxy import WorkerClients
-from gateway.router import Decision, Router, RouteRequest, WorkerState
-from gateway.sessions import SessionMap
-from gateway.stats import RequestRecord, RollingStats
+from gateway.edge.auth import Tenant
+from gateway.edge.errors import APIError
+from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.window_stats import RequestRecord, RollingStats
+from gateway.routing.index import BlockIndex
+from gateway.routing.mirror import IndexMirror, WorkerEntry
+from gateway.routing.router import Decision, Router, RouteRequest, WorkerState
+from gateway.routing.sessions import SessionMap
+from gateway.text.prefix_tokens import Prompt
+from gateway.upstream.grpc_worker import WorkerClients
 
 logger = logging.getLogger(__name__)
 

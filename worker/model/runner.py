@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from worker.attention import Chunk, StepPlan, build_plan, paged_attention, write_kv
-from worker.llama import (
+from worker.model.attention import Chunk, StepPlan, build_plan, paged_attention, write_kv
+from worker.model.llama import (
     LayerWeights,
     ModelSpec,
     apply_rope,
@@ -32,7 +32,7 @@ from worker.llama import (
     rms_norm,
     rope_tables,
 )
-from worker.model_store import resolve_model
+from worker.model.store import resolve_model
 
 logger = logging.getLogger(__name__)
 

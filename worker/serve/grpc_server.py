@@ -21,8 +21,8 @@ import grpc
 from contract import worker_pb2 as pb
 from contract import worker_pb2_grpc
 from contract.hashing import HashSpec
-from worker.engine import EngineError
-from worker.sequence import SamplingParams
+from worker.engine.core import EngineError
+from worker.engine.sequence import SamplingParams
 
 logger = logging.getLogger(__name__)
 

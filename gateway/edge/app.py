@@ -1,6 +1,6 @@
 """The gateway's aiohttp application: ``create_app(config)`` wires every part together.
 
-Routes: the OpenAI endpoints (``gateway.api``), ``/healthz``, ``/readyz``,
+Routes: the OpenAI endpoints (``gateway.edge.handlers``), ``/healthz``, ``/readyz``,
 ``/metrics``, ``/openapi.json`` and the dashboard. Two middlewares: API-key
 authentication for ``/v1/*`` when a keys file is configured, and error
 shaping, so every failure reaches the client as an OpenAI error body. The
@@ -16,21 +16,22 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from gateway import api, dashboard
-from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
-from gateway.dispatch import Dispatcher
-from gateway.errors import APIError, error_body
-from gateway.index import BlockIndex
-from gateway.metrics import GatewayMetrics
-from gateway.mirror import IndexMirror
-from gateway.openapi import openapi_spec
-from gateway.proxy import WorkerClients
-from gateway.router import Router
-from gateway.sessions import SessionMap
-from gateway.state import STATE, TENANT, GatewayState
-from gateway.stats import RollingStats
-from gateway.tokenizer import ChatTokenizer
+from gateway.edge import handlers
+from gateway.edge.app_keys import STATE, TENANT, GatewayState
+from gateway.edge.auth import ApiKeys
+from gateway.edge.errors import APIError, error_body
+from gateway.edge.openapi import openapi_spec
+from gateway.observe import dashboard
+from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.window_stats import RollingStats
+from gateway.routing.dispatch import Dispatcher
+from gateway.routing.index import BlockIndex
+from gateway.routing.mirror import IndexMirror
+from gateway.routing.router import Router
+from gateway.routing.sessions import SessionMap
+from gateway.text.tokenizer import ChatTokenizer
+from gateway.upstream.grpc_worker import WorkerClients
 
 logger = logging.getLogger(__name__)
 
@@ -192,9 +193,9 @@ def create_app(config: GatewayConfig, *, tokenizer: ChatTokenizer | None = None)
     """The gateway as an aiohttp application (pass ``tokenizer`` to share a loaded one)."""
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors, _auth])
     app[STATE] = build_state(config, tokenizer)
-    app.router.add_post("/v1/chat/completions", api.chat_completions)
-    app.router.add_post("/v1/completions", api.completions)
-    app.router.add_get("/v1/models", api.models)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

@@ -31,7 +31,7 @@ from contract.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBa
 from contract.hashing import HASH_VERSION, HashSpec
 from contract.redis_layout import EVENT_FIELD, RedisLayout, WorkerRecord
 from contract.redis_url import redact
-from gateway.index import BlockIndex
+from gateway.routing.index import BlockIndex
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.state import STATE, GatewayState
+from gateway.edge.app_keys import STATE, GatewayState
 
 _PAGE = Path(__file__).parent / "static" / "dashboard.html"
 

@@ -1,0 +1,1 @@
+"""Clients of the workers: gRPC for kvroute's engine (and OpenAI HTTP for vLLM workers)."""

@@ -1,0 +1,1 @@
+"""Announcing the worker in Redis: registry heartbeat, block set and event stream."""

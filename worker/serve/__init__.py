@@ -1,0 +1,1 @@
+"""Serving one engine: gRPC and OpenAI HTTP fronts, Prometheus metrics, configuration and the CLI."""
