@@ -53,7 +53,7 @@ bench-gateway: install
 	$(PY) -m loadtest.bench_gateway
 
 simulate: install
-	$(PY) -m loadtest.simulate --trace ../shared/traces/mooncake_conversation_trace.jsonl --block-size 512 --workers 8 --capacity-tokens 3000000 --policy kvroute --json
+	$(PY) -m loadtest.simulate --trace loadtest/traces/mooncake_conversation_trace.jsonl --block-size 512 --workers 8 --capacity-tokens 3000000 --policy kvroute --json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

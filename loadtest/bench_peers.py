@@ -65,7 +65,7 @@ class PeersConfig:
 
     routers: tuple[str, ...] = ROUTERS
     peers_venv: str = ".venv-peers"
-    wheel_dir: str = "/tmp/peers"
+    wheel_dir: str = ""  # "" = install the peers from PyPI
     router_startup_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -266,7 +266,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--routers", default=",".join(dp.routers), help="comma-separated")
     add_fleet_flags(p, d)
     p.add_argument("--peers-venv", default=dp.peers_venv)
-    p.add_argument("--wheel-dir", default=dp.wheel_dir, help="local peer wheels, if any")
+    p.add_argument(
+        "--wheel-dir",
+        default=dp.wheel_dir,
+        help="folder of local peer wheels (default: none, install from PyPI)",
+    )
     p.add_argument("--log-dir", default="", help="process logs (default /tmp/kvroute-bench-peers)")
     p.add_argument("--json", action="store_true", help="compact JSON (default: indented)")
     p.add_argument("--no-progress", action="store_true")

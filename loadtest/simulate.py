@@ -1,7 +1,7 @@
 """``python -m loadtest.simulate``: replay a workload through the production router and a
 simulated fleet, and report token hit rate, load balance and TTFT per policy.
 
-    python -m loadtest.simulate --trace ../shared/traces/mooncake_conversation_trace.jsonl \\
+    python -m loadtest.simulate --trace loadtest/traces/mooncake_conversation_trace.jsonl \\
         --block-size 512 --workers 8 --capacity-tokens 3000000 --policy all --json
 
 The workload is a Mooncake-format trace (``--trace``), or a synthetic
