@@ -360,8 +360,10 @@ class Engine:
         seqs = batch.sampled_seqs()
         if not seqs:
             return []
+        # A sampler without per-request generators (the emulated one) never needs torch.
+        seeded = getattr(self.sampler, "uses_generators", True)
         for seq in seqs:
-            if seq.params.seed is not None and seq.generator is None:
+            if seeded and seq.params.seed is not None and seq.generator is None:
                 from worker.model.sampler import new_generator
 
                 seq.generator = new_generator(seq.params.seed, logits.device)
