@@ -16,7 +16,7 @@ import sys
 SUBCOMMANDS = {
     "gateway": ("gateway.cli", "the OpenAI-compatible, cache-aware routing gateway"),
     "worker": ("worker.serve.cli", "a paged-KV prefix-caching inference worker"),
-    "up": ("loadtest.fleet", "a local fleet: Redis, N workers and the gateway"),
+    "up": ("loadtest.up", "a local fleet: Redis, N workers and the gateway"),
 }
 
 

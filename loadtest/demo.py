@@ -1,11 +1,13 @@
 """``make demo``: a local fleet with a real model and a multi-turn chat through the gateway.
 
-Starts a private Redis (unless ``REDIS_URL`` is set), two workers serving
+Starts a private Redis (unless ``KVROUTE_REDIS_URL`` is set), two workers serving
 SmolLM2-135M-Instruct on the CPU and the gateway on 127.0.0.1:8000, then plays
 a scripted 4-turn conversation and a second conversation through the official
 ``openai`` client, printing per turn which worker served it, ``cached_tokens``
 and TTFT, and finally per-worker hit rates and the dashboard URL. The fleet
 stays up for the dashboard until Ctrl-C (or exits at once with ``--exit``).
+Each process logs to ``.demo-logs/<name>.log``; a process that dies early is
+reported with the last lines of its log.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import contextlib
 import os
 import signal
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         workers=args.workers,
         gateway_port=args.port,
-        redis_url=os.environ.get("REDIS_URL", ""),
+        redis_url=os.environ.get("KVROUTE_REDIS_URL", ""),
         log_dir=".demo-logs",
     )
     print(
@@ -146,12 +149,21 @@ def main(argv: list[str] | None = None) -> int:
         f"(logs in {config.log_dir}/) ...",
         flush=True,
     )
+    try:
+        return run(config, args.exit)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 1
+
+
+def run(config: FleetConfig, exit_at_once: bool) -> int:
+    """Plays the conversations on a fresh fleet; keeps it up until Ctrl-C unless told not to."""
     with Fleet(config) as fleet:
         served = fleet_model_name(fleet.gateway_url)
         print(f"gateway {fleet.gateway_url} serves {served!r}\n")
         summarize(play(fleet.gateway_url, served))
         print(f"\ndashboard: {fleet.gateway_url}/dashboard   metrics: {fleet.gateway_url}/metrics")
-        if not args.exit:
+        if not exit_at_once:
             print("fleet is up; Ctrl-C stops everything")
             with contextlib.suppress(KeyboardInterrupt):
                 while all(w.proc.poll() is None for w in fleet.workers):

@@ -1,17 +1,17 @@
 """A local fleet in one call: a private Redis, N worker processes and a gateway.
 
-``kvroute up`` runs one in the foreground until Ctrl-C; ``Fleet`` is the same
-thing as a context manager for the demo, benchmarks and integration tests.
-Every component is a real process talking real Redis, gRPC and HTTP on
-loopback ports; nothing is simulated.
+``Fleet`` starts one as a context manager (for ``kvroute up`` in
+``loadtest.up``, the demo, benchmarks and integration tests); every child's
+log can stream to the terminal with a ``name | `` prefix and goes to
+``<log_dir>/<name>.log``. Every component is a real process talking real Redis, gRPC
+and HTTP, bound to loopback by default; nothing is simulated. When a child
+dies before it listens, the error quotes the last lines of its log.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from contract.redis_url import redact
+from loadtest.child_logs import ChildLog, echo_target
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +37,37 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _wait_for_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+def port_in_use(host: str, port: int) -> bool:
+    """True when something already listens on ``host:port`` (or it cannot be bound)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _wait_for_port(
+    port: int,
+    timeout: float,
+    proc: subprocess.Popen[bytes] | None = None,
+    log: ChildLog | None = None,
+) -> None:
+    name = log.name if log is not None else "process"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+            if log is not None:
+                log.join()
+            where = f" (log: {log.path})" if log is not None and log.path else ""
+            said = f"; its last lines:\n{log.tail()}" if log is not None else ""
+            raise RuntimeError(
+                f"{name} exited with {proc.returncode} before listening on {port}{where}{said}"
+            )
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
             return
         time.sleep(0.1)
-    raise TimeoutError(f"nothing listened on 127.0.0.1:{port} within {timeout}s")
+    raise TimeoutError(f"{name}: nothing listened on 127.0.0.1:{port} within {timeout:.0f}s")
 
 
 @dataclass(frozen=True)
@@ -65,12 +88,16 @@ class FleetConfig:
     heartbeat_ttl: float = 2.0
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
-    log_dir: str = ""
+    log_dir: str = ""  # "" = no log files (the tail is still kept for errors)
+    echo_logs: bool = False  # stream every child's log to stderr, prefixed with its name
+    host: str = "127.0.0.1"  # what workers and the gateway bind
     startup_timeout: float = 180.0
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if not 0 <= self.gateway_port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.gateway_port}")
 
 
 @dataclass
@@ -95,6 +122,7 @@ class Fleet:
     workers: list[WorkerProcess] = field(default_factory=list)
     gateway: subprocess.Popen[bytes] | None = None
     model_dir: str = ""
+    logs: dict[str, ChildLog] = field(default_factory=dict)
     _redis: subprocess.Popen[bytes] | None = None
     _tmp: Path | None = None
 
@@ -109,24 +137,25 @@ class Fleet:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _log(self, name: str) -> int | None:
+    def log_path(self, name: str) -> Path | None:
+        """Where ``name``'s log is written, or None without ``log_dir``."""
         if not self.config.log_dir:
-            return subprocess.DEVNULL  # type: ignore[return-value]
+            return None
         Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
-        return os.open(
-            Path(self.config.log_dir) / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644
+        return Path(self.config.log_dir) / f"{name}.log"
+
+    def _popen(self, name: str, cmd: list[str], cwd: Path | None = None) -> subprocess.Popen[bytes]:
+        logger.info("starting %s: %s", name, " ".join(redact(a) for a in cmd))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd)
+        assert proc.stdout is not None
+        self.logs[name] = ChildLog(
+            name, proc.stdout, self.log_path(name), echo_target(self.config.echo_logs)
         )
+        return proc
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        out = self._log(name)
         cmd = [sys.executable, "-m", "kvroute_cli", *args]
-        logger.info("starting %s: %s", name, " ".join(redact(a) for a in cmd))
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1]
-        )
-        if isinstance(out, int) and out != subprocess.DEVNULL:
-            os.close(out)
-        return proc
+        return self._popen(name, cmd, cwd=Path(__file__).resolve().parents[1])
 
     def start_redis(self) -> None:
         binary = shutil.which("redis-server")
@@ -134,7 +163,8 @@ class Fleet:
             raise RuntimeError("redis-server not found: apt-get install redis-server")
         self._tmp = Path(tempfile.mkdtemp(prefix="kvroute-fleet-"))
         port = free_port()
-        self._redis = subprocess.Popen(
+        self._redis = self._popen(
+            "redis",
             [
                 binary,
                 "--port",
@@ -148,10 +178,8 @@ class Fleet:
                 "--dir",
                 str(self._tmp),
             ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
         )
-        _wait_for_port(port, 10, self._redis)
+        _wait_for_port(port, 10, self._redis, self.logs["redis"])
         self.redis_url = f"redis://127.0.0.1:{port}/0"
 
     def start_worker(self, index: int) -> WorkerProcess:
@@ -168,6 +196,8 @@ class Fleet:
             cfg.namespace,
             "--worker-id",
             worker_id,
+            "--host",
+            cfg.host,
             "--grpc-port",
             str(grpc_port),
             "--http-port",
@@ -202,7 +232,7 @@ class Fleet:
             "--redis-namespace",
             cfg.namespace,
             "--host",
-            "127.0.0.1",
+            cfg.host,
             "--port",
             str(self.gateway_port),
             "--policy",
@@ -216,17 +246,34 @@ class Fleet:
         cfg = self.config
         deadline = time.monotonic() + cfg.startup_timeout
         for worker in self.workers:
-            _wait_for_port(worker.grpc_port, max(1.0, deadline - time.monotonic()), worker.proc)
+            _wait_for_port(
+                worker.grpc_port,
+                max(1.0, deadline - time.monotonic()),
+                worker.proc,
+                self.logs.get(worker.worker_id),
+            )
         assert self.gateway is not None
-        _wait_for_port(self.gateway_port, max(1.0, deadline - time.monotonic()), self.gateway)
+        _wait_for_port(
+            self.gateway_port,
+            max(1.0, deadline - time.monotonic()),
+            self.gateway,
+            self.logs.get("gateway"),
+        )
         want = len(self.workers) if expected_workers is None else expected_workers
         while time.monotonic() < deadline:
             if self.gateway.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.gateway.returncode}")
+                self.logs["gateway"].join()
+                raise RuntimeError(
+                    f"gateway exited with {self.gateway.returncode}; its last lines:\n"
+                    f"{self.logs['gateway'].tail()}"
+                )
             if self.healthy_workers() >= want:
                 return
             time.sleep(0.2)
-        raise TimeoutError(f"gateway did not see {want} healthy workers in time")
+        raise TimeoutError(
+            f"the gateway saw {self.healthy_workers()} of {want} workers healthy within "
+            f"{cfg.startup_timeout:.0f}s; its last lines:\n{self.logs['gateway'].tail()}"
+        )
 
     def healthy_workers(self) -> int:
         """How many workers the gateway routes to now (from its /readyz body)."""
@@ -241,6 +288,13 @@ class Fleet:
     def start(self) -> None:
         from worker.model.store import resolve_model
 
+        cfg = self.config
+        # Checked first, so a busy port is one line, not a traceback after the workers load.
+        if cfg.gateway_port and port_in_use(cfg.host, cfg.gateway_port):
+            raise RuntimeError(
+                f"port {cfg.gateway_port} on {cfg.host} is in use: stop what holds it "
+                "or pick another with --port"
+            )
         # Resolve (and for a GGUF, convert) once here, so workers do not race to
         # convert and the gateway reads the very folder the workers load.
         self.model_dir = str(resolve_model(self.config.model))
@@ -256,6 +310,18 @@ class Fleet:
         except BaseException:
             self.stop()
             raise
+
+    def named_processes(self) -> list[tuple[str, subprocess.Popen[bytes]]]:
+        """Every child this fleet started, by log name."""
+        out = [(w.worker_id, w.proc) for w in self.workers]
+        if self.gateway is not None:
+            out.append(("gateway", self.gateway))
+        if self._redis is not None:
+            out.append(("redis", self._redis))
+        return out
+
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        return [proc for _, proc in self.named_processes()]
 
     def kill_worker(self, index: int) -> None:
         """SIGKILL one worker (fault tests): no deregistration, its key must expire."""
@@ -282,54 +348,5 @@ class Fleet:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvroute up", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--model",
-        default=os.environ.get("KVROUTE_MODEL", "smollm2"),
-        help="model folder, .gguf file or the alias smollm2 (default)",
-    )
-    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    parser.add_argument("--policy", default="kvroute", help="gateway routing policy")
-    parser.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
-    parser.add_argument(
-        "--redis-url",
-        default=os.environ.get("REDIS_URL", ""),
-        help="use this Redis instead of starting a private one",
-    )
-    parser.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per worker")
-    parser.add_argument("--log-dir", default="", help="write each process's log here")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    config = FleetConfig(
-        model=args.model,
-        workers=args.workers,
-        policy=args.policy,
-        gateway_port=args.port,
-        redis_url=args.redis_url,
-        num_blocks=args.num_blocks,
-        log_dir=args.log_dir,
-    )
-    # SIGTERM ends the fleet as cleanly as Ctrl-C does (children get SIGTERM too).
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    with Fleet(config) as fleet:
-        logger.info(
-            "fleet up: gateway %s, %d workers, redis %s",
-            fleet.gateway_url,
-            len(fleet.workers),
-            fleet.redis_url,
-        )
-        with contextlib.suppress(KeyboardInterrupt):
-            while all(w.proc.poll() is None for w in fleet.workers):
-                time.sleep(0.5)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        for log in self.logs.values():
+            log.join(1.0)

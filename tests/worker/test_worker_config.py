@@ -24,7 +24,7 @@ def test_flags_win_over_env_and_env_over_defaults(tmp_path: Path) -> None:
     assert (cfg.grpc_port, cfg.block_size, cfg.dtype) == (7001, 32, "bfloat16")
     assert cfg.served_model_name == tmp_path.name  # the folder name is the default
     assert cfg.worker_id.endswith(f"-{os.getpid()}")
-    assert (cfg.http_port, cfg.heartbeat_interval, cfg.heartbeat_ttl) == (8000, 1.0, 3.0)
+    assert (cfg.http_port, cfg.heartbeat_interval, cfg.heartbeat_ttl) == (8001, 1.0, 3.0)
     assert env_name("--pin-system-prompt") == "KVROUTE_PIN_SYSTEM_PROMPT"
 
 

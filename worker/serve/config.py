@@ -46,7 +46,7 @@ class WorkerConfig:
     host: str = "0.0.0.0"
     advertise_host: str = ""
     grpc_port: int = 50051
-    http_port: int = 8000  # 0 = no HTTP front
+    http_port: int = 8001  # 0 = no HTTP front; not 8000, the gateway's default
     block_size: int = 16
     num_blocks: int | None = None  # None = size the pool from --memory-fraction
     memory_fraction: float | None = None
