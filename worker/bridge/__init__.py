@@ -1,0 +1,1 @@
+"""The bridge that brings workers of other engines (vLLM first) into a kvroute fleet."""
