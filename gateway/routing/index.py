@@ -5,90 +5,346 @@ current), plus *speculative* entries: right after a request is routed to a
 worker, that worker is assumed to hold the request's blocks for a few
 seconds, so a burst of siblings stays together before the real events land.
 
-An inverted map ``hash -> workers`` makes a lookup a walk of the request's
-chain that stops at the first block nobody holds: O(blocks), no I/O.
+Sized for fleets of 1,000 workers x 100k blocks (10^8 entries):
+
+- Workers are *ordinals* (small ints). Each block hash maps to its holders:
+  one ordinal (most blocks live on one worker) or, when shared, a Python int
+  used as a bitset of ordinals. Hashes live in open-addressing tables of
+  flat numpy arrays (key u64, holder i32, last-use tick u32), split into
+  ``_SHARDS`` shards by the hash's low bits so growing one shard never
+  stalls the loop for long. About 25-30 bytes per (worker, block) entry,
+  against ~350 for Python dicts of sets.
+- A lookup walks the request's chain, intersecting holder bitsets, and stops
+  at the first block no candidate holds: O(chain length), never O(fleet).
+- ``clear``/``replace`` give the worker a fresh ordinal; the old ordinal's
+  entries are invisible at once and swept from the tables incrementally by
+  ``maintain`` (a reload never rewrites the index in one go).
+- Speculative entries expire from a heap ordered by expiry: ``prune`` costs
+  O(expired), not O(all).
+- ``max_entries`` bounds memory: past it, each insert evicts the least
+  recently looked-up entries of its shard (a chain looked up together shares
+  a tick, so chains go together).
+
 Not thread-safe: it lives on the gateway's event loop.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+_SHARD_BITS = 10
+_SHARDS = 1 << _SHARD_BITS
+_SHARD_MASK = _SHARDS - 1
+_EMPTY = -1  # holder value of a never-used slot (ends a probe)
+_TOMB = -2  # holder value of a deleted slot (a probe walks past it)
+_SHARED = -3  # holders are in the shard's ``shared`` dict as a bitset
+_MAX_LOAD = 0.7  # used slots (live + tombstones) per slot before a rebuild
+_MIN_CAP = 256  # 1024 shards x 256 slots x 16 B: 4 MB before the first entry
+
+
+@dataclass(frozen=True)
+class IndexStats:
+    """Size of the index, for metrics and benchmarks."""
+
+    entries: int  # live (worker, block) pairs
+    hashes: int  # distinct block hashes with at least one live holder
+    shared_hashes: int  # hashes held by more than one worker
+    speculative: int  # speculative (worker, block) pairs, expired ones included until pruned
+    bytes: int  # estimated memory of tables, shared bitsets and speculative entries
+    evictions: int  # entries dropped by the memory bound since start
+    dead_ordinals: int  # cleared/dropped worker generations not yet swept
+
+
+class _Shard:
+    """One open-addressing table: key, holder and last-use tick per slot."""
+
+    __slots__ = ("cap", "keys", "live", "mask", "shared", "ticks", "used", "vals")
+
+    def __init__(self, cap: int = _MIN_CAP) -> None:
+        self.cap = cap
+        self.mask = cap - 1
+        self.keys = np.zeros(cap, dtype=np.uint64).data
+        self.vals = np.full(cap, _EMPTY, dtype=np.int32).data
+        self.ticks = np.zeros(cap, dtype=np.uint32).data
+        self.used = 0  # slots not _EMPTY
+        self.live = 0  # slots holding a key (not _EMPTY, not _TOMB)
+        self.shared: dict[int, int] = {}
+
+    def find(self, h: int) -> int:
+        """Slot of ``h``, or -1."""
+        keys, vals, mask = self.keys, self.vals, self.mask
+        i = (h >> _SHARD_BITS) & mask
+        while True:
+            v = vals[i]
+            if v == _EMPTY:
+                return -1
+            if v != _TOMB and keys[i] == h:
+                return i
+            i = (i + 1) & mask
+
+    def find_or_slot(self, h: int) -> tuple[int, bool]:
+        """(slot, found): the slot of ``h``, or where to insert it."""
+        keys, vals, mask = self.keys, self.vals, self.mask
+        i = (h >> _SHARD_BITS) & mask
+        free = -1
+        while True:
+            v = vals[i]
+            if v == _EMPTY:
+                return (i if free < 0 else free), False
+            if v == _TOMB:
+                if free < 0:
+                    free = i
+            elif keys[i] == h:
+                return i, True
+            i = (i + 1) & mask
+
+    def rebuild(self, dead: np.ndarray | None) -> None:
+        """Re-hashes live slots into a table sized for them (dead ordinals dropped)."""
+        keys = np.asarray(self.keys)
+        vals = np.asarray(self.vals)
+        ticks = np.asarray(self.ticks)
+        keep = (vals >= 0) | (vals == _SHARED)
+        if dead is not None and dead.size:
+            keep &= ~np.isin(vals, dead)
+        k, v, t = keys[keep], vals[keep], ticks[keep]
+        cap = _MIN_CAP
+        while cap * 0.35 < len(k):
+            cap *= 2
+        new_keys = np.zeros(cap, dtype=np.uint64)
+        new_vals = np.full(cap, _EMPTY, dtype=np.int32)
+        new_ticks = np.zeros(cap, dtype=np.uint32)
+        mask = np.uint64(cap - 1)
+        pos = ((k >> np.uint64(_SHARD_BITS)) & mask).astype(np.int64)
+        pending = np.arange(len(k))
+        while pending.size:
+            p = pos[pending]
+            free = new_vals[p] == _EMPTY
+            cand, cp = pending[free], p[free]
+            _, first = np.unique(cp, return_index=True)
+            win = cand[first]
+            new_keys[pos[win]] = k[win]
+            new_vals[pos[win]] = v[win]
+            new_ticks[pos[win]] = t[win]
+            lost = np.ones(len(pending), dtype=bool)
+            lost[np.flatnonzero(free)[first]] = False
+            pending = pending[lost]
+            pos[pending] = (pos[pending] + 1) & (cap - 1)
+        self.cap, self.mask = cap, cap - 1
+        self.keys = new_keys.data
+        self.vals = new_vals.data
+        self.ticks = new_ticks.data
+        self.used = self.live = len(k)
+
+    def nbytes(self) -> int:
+        return self.cap * 16
 
 
 class BlockIndex:
     """Block hashes per worker, real and speculative."""
 
-    def __init__(self) -> None:
-        self._holders: dict[int, set[str]] = {}
-        self._blocks: dict[str, set[int]] = {}
-        # hash -> {worker: monotonic expiry}
-        self._speculative: dict[int, dict[str, float]] = {}
+    def __init__(self, max_entries: int = 0) -> None:
+        if max_entries < 0:
+            raise ValueError("--index-max-entries must be >= 0 (0 = unbounded)")
+        self.max_entries = max_entries
+        self._shards = [_Shard() for _ in range(_SHARDS)]
+        self._ord: dict[str, int] = {}  # worker -> its current ordinal
+        self._names: list[str | None] = []  # ordinal -> worker (None: dead or free)
+        self._counts: list[int] = []  # ordinal -> live real entries
+        self._free: list[int] = []
+        self._dead: set[int] = set()  # ordinals whose entries still sit in the tables
+        self._sweeping: set[int] = set()  # dead ordinals the current sweep pass removes
+        self._sweep_at = 0  # next shard the sweep visits
+        self._known: set[str] = set()  # workers with real entries (or a clear) on record
+        self._live_bits = 0  # bitset of ordinals that name a worker
+        self._entries = 0
+        self._evictions = 0
+        self._tick = 1
+        # Speculation: hash -> {worker: expiry}; a heap of (expiry, n, worker, hashes).
+        self._spec: dict[int, dict[str, float]] = {}
+        self._spec_heap: list[tuple[float, int, str, tuple[int, ...]]] = []
+        self._spec_n = 0
+        self._spec_pairs = 0
+
+    # -- ordinals ------------------------------------------------------------------
+
+    def _ordinal(self, worker_id: str) -> int:
+        o = self._ord.get(worker_id)
+        if o is None:
+            if self._free:
+                o = self._free.pop()
+                self._names[o] = worker_id
+                self._counts[o] = 0
+            else:
+                o = len(self._names)
+                self._names.append(worker_id)
+                self._counts.append(0)
+            self._ord[worker_id] = o
+            self._live_bits |= 1 << o
+        return o
+
+    def _retire(self, worker_id: str) -> None:
+        """Makes the worker's current ordinal dead: its entries vanish from lookups now."""
+        o = self._ord.pop(worker_id, None)
+        if o is None:
+            return
+        self._entries -= self._counts[o]
+        self._counts[o] = 0
+        self._names[o] = None
+        self._live_bits &= ~(1 << o)
+        self._dead.add(o)
 
     # -- real entries (from Redis) ---------------------------------------------
 
     def add(self, worker_id: str, hashes: Iterable[int]) -> None:
         """Records that ``worker_id`` now holds ``hashes`` (idempotent)."""
-        mine = self._blocks.setdefault(worker_id, set())
+        self._known.add(worker_id)
+        o = self._ordinal(worker_id)
+        bit = 1 << o
+        self._tick = tick = (self._tick + 1) & 0xFFFFFFFF
+        names, shards = self._names, self._shards
+        added = 0
         for h in hashes:
-            if h not in mine:
-                mine.add(h)
-                self._holders.setdefault(h, set()).add(worker_id)
+            shard = shards[h & _SHARD_MASK]
+            i, found = shard.find_or_slot(h)
+            if found:
+                v = shard.vals[i]
+                if v == o:
+                    continue
+                if v >= 0:
+                    if names[v] is None:
+                        shard.vals[i] = o  # the old holder is a dead generation
+                    else:
+                        shard.shared[h] = (1 << v) | bit
+                        shard.vals[i] = _SHARED
+                else:
+                    bits = shard.shared[h]
+                    if bits & bit:
+                        continue
+                    shard.shared[h] = bits | bit
+                added += 1
+                continue
+            if shard.vals[i] == _EMPTY:
+                shard.used += 1
+            shard.keys[i] = h
+            shard.vals[i] = o
+            shard.ticks[i] = tick
+            shard.live += 1
+            added += 1
+            if shard.used > shard.cap * _MAX_LOAD:
+                shard.rebuild(self._dead_array())
+            if self.max_entries and self._entries + added > self.max_entries:
+                self._counts[o] += added
+                self._entries += added
+                added = 0
+                self._evict(shard)
+        self._counts[o] += added
+        self._entries += added
 
     def remove(self, worker_id: str, hashes: Iterable[int]) -> None:
         """Records that ``worker_id`` evicted ``hashes`` (unknown hashes are ignored)."""
-        mine = self._blocks.get(worker_id)
-        if not mine:
+        o = self._ord.get(worker_id)
+        if o is None:
             return
+        bit = 1 << o
+        gone = 0
         for h in hashes:
-            if h in mine:
-                mine.discard(h)
-                holders = self._holders[h]
-                holders.discard(worker_id)
-                if not holders:
-                    del self._holders[h]
+            shard = self._shards[h & _SHARD_MASK]
+            i = shard.find(h)
+            if i < 0:
+                continue
+            v = shard.vals[i]
+            if v == o:
+                shard.vals[i] = _TOMB
+                shard.live -= 1
+                gone += 1
+            elif v == _SHARED:
+                bits = shard.shared[h]
+                if not bits & bit:
+                    continue
+                gone += 1
+                self._set_bits(shard, i, h, bits & ~bit)
+        self._counts[o] -= gone
+        self._entries -= gone
+
+    def _set_bits(self, shard: _Shard, i: int, h: int, bits: int) -> None:
+        """Stores a shared slot's new holders, demoting it to one ordinal or none."""
+        bits &= self._live_mask()
+        if bits & (bits - 1):
+            shard.shared[h] = bits
+            return
+        del shard.shared[h]
+        if bits:
+            shard.vals[i] = bits.bit_length() - 1
+        else:
+            shard.vals[i] = _TOMB
+            shard.live -= 1
 
     def clear(self, worker_id: str) -> None:
         """Forgets every real block of ``worker_id`` (it stays known, holding nothing)."""
-        self.remove(worker_id, list(self._blocks.get(worker_id, ())))
-        self._blocks[worker_id] = set()
+        self._retire(worker_id)
+        self._known.add(worker_id)
 
     def replace(self, worker_id: str, hashes: Iterable[int]) -> None:
         """Sets ``worker_id``'s blocks to exactly ``hashes`` (a reload from its Redis set)."""
-        new = set(hashes)
-        old = self._blocks.get(worker_id, set())
-        self.remove(worker_id, old - new)
-        self.add(worker_id, new - old)
+        self.clear(worker_id)
+        self.add(worker_id, hashes)
 
     def drop(self, worker_id: str) -> None:
         """Forgets ``worker_id`` entirely, speculative entries included (it died)."""
-        self.clear(worker_id)
-        del self._blocks[worker_id]
-        for h in [h for h, ws in self._speculative.items() if worker_id in ws]:
-            ws = self._speculative[h]
-            del ws[worker_id]
-            if not ws:
-                del self._speculative[h]
+        self._retire(worker_id)
+        self._known.discard(worker_id)
+        # Its speculative entries stay in the heap until they expire, but lookups
+        # skip workers without an ordinal, and a worker re-added later starts clean.
+        for _, _, w, hashes in self._spec_heap:
+            if w == worker_id:
+                for h in hashes:
+                    ws = self._spec.get(h)
+                    if ws is not None and ws.pop(worker_id, None) is not None:
+                        self._spec_pairs -= 1
+                        if not ws:
+                            del self._spec[h]
 
     # -- speculative entries -----------------------------------------------------
 
     def speculate(self, worker_id: str, hashes: Sequence[int], now: float, ttl: float) -> None:
         """Assumes ``worker_id`` holds ``hashes`` until ``now + ttl`` (monotonic seconds)."""
-        if ttl <= 0:
+        if ttl <= 0 or not hashes:
             return
         expiry = now + ttl
+        spec = self._spec
         for h in hashes:
-            self._speculative.setdefault(h, {})[worker_id] = expiry
+            ws = spec.get(h)
+            if ws is None:
+                spec[h] = {worker_id: expiry}
+                self._spec_pairs += 1
+            else:
+                if worker_id not in ws:
+                    self._spec_pairs += 1
+                ws[worker_id] = expiry
+        self._spec_n += 1
+        heapq.heappush(self._spec_heap, (expiry, self._spec_n, worker_id, tuple(hashes)))
 
     def prune(self, now: float) -> int:
-        """Drops expired speculative entries; returns how many went."""
+        """Drops expired speculative entries; returns how many went. O(expired)."""
         gone = 0
-        for h in list(self._speculative):
-            ws = self._speculative[h]
-            for w in [w for w, exp in ws.items() if exp <= now]:
-                del ws[w]
-                gone += 1
-            if not ws:
-                del self._speculative[h]
+        heap, spec = self._spec_heap, self._spec
+        while heap and heap[0][0] <= now:
+            _, _, w, hashes = heapq.heappop(heap)
+            for h in hashes:
+                ws = spec.get(h)
+                if ws is None:
+                    continue
+                exp = ws.get(w)
+                if exp is not None and exp <= now:
+                    del ws[w]
+                    gone += 1
+                    if not ws:
+                        del spec[h]
+        self._spec_pairs -= gone
         return gone
 
     # -- queries -----------------------------------------------------------------
@@ -100,31 +356,169 @@ class BlockIndex:
         ``now`` (monotonic seconds) is given and they have not expired.
         """
         result: dict[str, int] = {}
-        alive: set[str] = set()
-        for i, h in enumerate(hashes):
-            holders = self._holders.get(h, set())
-            spec = self._speculative.get(h)
-            if spec and now is not None:
-                holders = holders | {w for w, exp in spec.items() if exp > now}
-            still = set(holders) if i == 0 else alive & holders
-            for w in alive - still:
-                result[w] = i
-            alive = still
+        if not hashes:
+            return result
+        names, shards, ords = self._names, self._shards, self._ord
+        spec = self._spec if now is not None else None
+        self._tick = tick = (self._tick + 1) & 0xFFFFFFFF
+        alive = -1
+        for n, h in enumerate(hashes):
+            # 1. real holders of block n (a probe of one shard)
+            shard = shards[h & _SHARD_MASK]
+            keys, vals, mask = shard.keys, shard.vals, shard.mask
+            i = (h >> _SHARD_BITS) & mask
+            bits = 0
+            while True:
+                v = vals[i]
+                if v == _EMPTY:
+                    break
+                if v != _TOMB and keys[i] == h:
+                    bits = (1 << v) if v >= 0 else shard.shared[h]
+                    shard.ticks[i] = tick
+                    break
+                i = (i + 1) & mask
+            # 2. speculative holders that have not expired
+            if spec:
+                ws = spec.get(h)
+                if ws:
+                    for w, exp in ws.items():
+                        if exp > now:  # type: ignore[operator]
+                            o = ords.get(w)
+                            if o is None:
+                                o = self._ordinal(w)
+                            bits |= 1 << o
+            # 3. intersect: workers whose run ended here get n blocks
+            if n:
+                ended = alive & ~bits
+                alive &= bits
+            else:
+                ended = 0
+                alive = bits & self._live_bits  # dead generations drop out here
+            while ended:
+                low = ended & -ended
+                result[names[low.bit_length() - 1]] = n  # type: ignore[index]
+                ended ^= low
             if not alive:
                 return result
-        for w in alive:
-            result[w] = len(hashes)
+        length = len(hashes)
+        while alive:
+            low = alive & -alive
+            result[names[low.bit_length() - 1]] = length  # type: ignore[index]
+            alive ^= low
         return result
 
     def block_count(self, worker_id: str) -> int:
         """Real blocks the index believes ``worker_id`` holds."""
-        return len(self._blocks.get(worker_id, ()))
+        o = self._ord.get(worker_id)
+        return 0 if o is None else self._counts[o]
 
     def holds(self, worker_id: str, block_hash: int) -> bool:
-        return block_hash in self._blocks.get(worker_id, ())
+        o = self._ord.get(worker_id)
+        if o is None:
+            return False
+        shard = self._shards[block_hash & _SHARD_MASK]
+        i = shard.find(block_hash)
+        if i < 0:
+            return False
+        v = shard.vals[i]
+        return v == o or (v == _SHARED and bool(shard.shared[block_hash] >> o & 1))
 
     def workers(self) -> list[str]:
-        return sorted(self._blocks)
+        return sorted(self._known)
 
     def speculative_count(self) -> int:
-        return sum(len(ws) for ws in self._speculative.values())
+        return self._spec_pairs
+
+    def stats(self) -> IndexStats:
+        """Entry counts and estimated bytes (tables + shared bitsets + speculation)."""
+        table = sum(s.nbytes() for s in self._shards)
+        shared = sum(len(s.shared) for s in self._shards)
+        width = max(1, len(self._names)) // 8 + 40
+        spec_bytes = len(self._spec) * 300 + len(self._spec_heap) * 120
+        return IndexStats(
+            entries=self._entries,
+            hashes=sum(s.live for s in self._shards),
+            shared_hashes=shared,
+            speculative=self._spec_pairs,
+            bytes=table + shared * (width + 100) + spec_bytes,
+            evictions=self._evictions,
+            dead_ordinals=len(self._dead),
+        )
+
+    # -- upkeep ----------------------------------------------------------------------
+
+    def maintain(self, max_shards: int = 64) -> bool:
+        """Sweeps dead ordinals out of up to ``max_shards`` shards; True while work remains.
+
+        An ordinal becomes reusable once a whole pass has run after its death,
+        so no slot can still name it.
+        """
+        if not self._dead and not self._sweeping:
+            return False
+        if self._sweep_at == 0 and not self._sweeping:
+            self._sweeping = set(self._dead)
+        dead = np.fromiter(self._sweeping, dtype=np.int32, count=len(self._sweeping))
+        dead_bits = sum(1 << o for o in self._sweeping)
+        stop = min(_SHARDS, self._sweep_at + max_shards)
+        for s in range(self._sweep_at, stop):
+            shard = self._shards[s]
+            vals = np.asarray(shard.vals)
+            hit = np.isin(vals, dead)
+            n = int(hit.sum())
+            if n:
+                vals[hit] = _TOMB
+                shard.live -= n
+            for h, bits in list(shard.shared.items()):
+                if bits & dead_bits:
+                    self._set_bits(shard, shard.find(h), h, bits & ~dead_bits)
+            if shard.used > 2 * shard.live + _MIN_CAP:
+                shard.rebuild(None)
+        self._sweep_at = stop
+        if stop == _SHARDS:
+            self._sweep_at = 0
+            self._dead -= self._sweeping
+            self._free.extend(self._sweeping)
+            self._sweeping = set()
+        return bool(self._dead or self._sweeping)
+
+    def _dead_array(self) -> np.ndarray | None:
+        if not self._dead:
+            return None
+        return np.fromiter(self._dead, dtype=np.int32, count=len(self._dead))
+
+    def _live_mask(self) -> int:
+        return self._live_bits
+
+    def _evict(self, shard: _Shard) -> None:
+        """Drops the least recently looked-up eighth of ``shard``'s entries."""
+        vals = np.asarray(shard.vals)
+        ticks = np.asarray(shard.ticks)
+        slots = np.flatnonzero((vals >= 0) | (vals == _SHARED))
+        if not slots.size:
+            return
+        n = max(1, slots.size // 8)
+        # Ages relative to now survive the u32 tick wrapping.
+        age = (np.uint32(self._tick) - ticks[slots]).astype(np.uint32)
+        victims = slots[np.argpartition(-age.astype(np.int64), n - 1)[:n]]
+        keys = np.asarray(shard.keys)
+        gone = 0
+        for i in victims.tolist():
+            v = int(vals[i])
+            if v >= 0:
+                if self._names[v] is not None:
+                    self._counts[v] -= 1
+                    gone += 1
+            else:
+                h = int(keys[i])
+                bits = shard.shared.pop(h) & self._live_mask()
+                while bits:
+                    low = bits & -bits
+                    o = low.bit_length() - 1
+                    if self._names[o] is not None:
+                        self._counts[o] -= 1
+                        gone += 1
+                    bits ^= low
+            vals[i] = _TOMB
+        shard.live -= len(victims)
+        self._entries -= gone
+        self._evictions += gone

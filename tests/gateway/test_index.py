@@ -60,3 +60,98 @@ def test_speculation_off_and_drop_clears_it() -> None:
     index.speculate("a", [1, 2], now=0.0, ttl=5.0)
     index.drop("a")
     assert index.longest_prefix([1, 2], now=1.0) == {}
+
+
+def _reference_prefix(model: dict[str, set[int]], chain: list[int]) -> dict[str, int]:
+    out = {}
+    for w, held in model.items():
+        n = 0
+        while n < len(chain) and chain[n] in held:
+            n += 1
+        if n:
+            out[w] = n
+    return out
+
+
+def test_index_equals_a_plain_model_after_any_sequence_of_events() -> None:
+    # Real 64-bit hashes and tiny ones (they share shards and probe runs), 70
+    # workers (bitsets past one machine word), every operation interleaved with
+    # partial sweeps and table rebuilds.
+    import random
+
+    for seed in range(4):
+        rnd = random.Random(seed)
+        index, model = BlockIndex(), {}  # type: BlockIndex, dict[str, set[int]]
+        pool = [rnd.getrandbits(64) for _ in range(400)] + list(range(30))
+        workers = [f"w{i}" for i in range(70)]
+        for step in range(2000):
+            op, w = rnd.random(), rnd.choice(workers)
+            hashes = rnd.sample(pool, rnd.randint(0, 40))
+            if op < 0.5:
+                index.add(w, hashes)
+                model.setdefault(w, set()).update(hashes)
+            elif op < 0.8:
+                index.remove(w, hashes)
+                model.get(w, set()).difference_update(hashes)
+            elif op < 0.85:
+                index.clear(w)
+                model[w] = set()
+            elif op < 0.9:
+                index.replace(w, hashes)
+                model[w] = set(hashes)
+            elif op < 0.93:
+                if w in model:
+                    index.drop(w)
+                    del model[w]
+            else:
+                index.maintain(rnd.randint(1, 400))
+            if step % 25 == 0:
+                owner = rnd.choice(workers)
+                chain = sorted(model.get(owner, ()))[:8] + rnd.sample(pool, 3)
+                assert index.longest_prefix(chain) == _reference_prefix(model, chain)
+                assert all(index.block_count(x) == len(model.get(x, ())) for x in workers)
+                assert index.workers() == sorted(model)
+                h = rnd.choice(pool)
+                assert index.holds(w, h) == (h in model.get(w, ()))
+                assert index.stats().entries == sum(len(s) for s in model.values())
+        while index.maintain(100):
+            pass
+        assert index.stats().dead_ordinals == 0
+        chain = sorted(next(iter(model.values()), ()))[:5]
+        assert index.longest_prefix(chain) == _reference_prefix(model, chain)
+
+
+def test_prune_touches_only_what_expired() -> None:
+    index = BlockIndex()
+    index.speculate("a", [1, 2], now=0.0, ttl=1.0)
+    index.speculate("b", [2, 3], now=0.0, ttl=5.0)
+    index.speculate("a", [2], now=0.5, ttl=3.0)  # renews a's entry for block 2
+    assert index.speculative_count() == 4
+    assert index.prune(now=0.9) == 0
+    assert index.prune(now=1.0) == 1  # a's block 1; its block 2 was renewed
+    assert index.longest_prefix([2, 3], now=2.0) == {"a": 1, "b": 2}
+    assert index.prune(now=3.5) == 1
+    assert index.longest_prefix([2, 3], now=3.6) == {"b": 2}
+    assert index.prune(now=10.0) == 2 and index.speculative_count() == 0
+
+
+def test_memory_bound_evicts_least_recently_looked_up() -> None:
+    index = BlockIndex(max_entries=2000)
+    hot = list(range(1, 201))
+    index.add("a", hot)
+    for n in range(20):
+        index.add("a", list(range(10_000 * (n + 1), 10_000 * (n + 1) + 200)))
+        index.longest_prefix(hot)  # the hot chain stays recently used
+    stats = index.stats()
+    assert stats.entries <= 2000 and stats.evictions >= 2200
+    assert index.block_count("a") == stats.entries
+    assert index.longest_prefix(hot) == {"a": 200}
+
+
+def test_stats_count_entries_and_shared_hashes() -> None:
+    index = BlockIndex()
+    index.add("a", [1, 2, 3])
+    index.add("b", [2, 3])
+    stats = index.stats()
+    assert (stats.entries, stats.hashes, stats.shared_hashes) == (5, 3, 2)
+    assert stats.bytes > 0 and stats.evictions == 0

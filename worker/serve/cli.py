@@ -62,7 +62,6 @@ class WorkerProcess:
     async def start(self) -> None:
         """Loads the model and starts every component; raises if a port cannot be bound."""
         from worker.engine.core import Engine, EngineConfig
-        from worker.model.runner import ModelRunner
         from worker.model.store import resolve_model
         from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
         from worker.serve.grpc_server import WorkerService, start_grpc_server
@@ -70,16 +69,37 @@ class WorkerProcess:
 
         cfg = self.config
         model_dir = await asyncio.to_thread(resolve_model, cfg.model)
-        runner = await asyncio.to_thread(
-            ModelRunner,
-            model_dir,
-            device=cfg.device,
-            dtype=cfg.dtype,
-            block_size=cfg.block_size,
-            num_blocks=cfg.num_blocks,
-            memory_fraction=cfg.memory_fraction,
-            kv_cache_dtype=cfg.kv_cache_dtype,
-        )
+        tokenizer = None
+        if cfg.http_port or cfg.pin_system_prompt is not None or cfg.engine == "emulated":
+            from transformers import AutoTokenizer
+
+            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_dir))
+        sampler = None
+        if cfg.engine == "emulated":
+            from worker.model import emulated
+
+            runner: Any = emulated.EmulatedRunner(
+                emulated.load_profile(cfg.profile),
+                model_dir,
+                block_size=cfg.block_size,
+                num_blocks=cfg.num_blocks,
+                output_token_ids=emulated.output_token_ids(tokenizer),
+                time_scale=cfg.emulated_time_scale,
+            )
+            sampler = emulated.EmulatedSampler()
+        else:
+            from worker.model.runner import ModelRunner
+
+            runner = await asyncio.to_thread(
+                ModelRunner,
+                model_dir,
+                device=cfg.device,
+                dtype=cfg.dtype,
+                block_size=cfg.block_size,
+                num_blocks=cfg.num_blocks,
+                memory_fraction=cfg.memory_fraction,
+                kv_cache_dtype=cfg.kv_cache_dtype,
+            )
         spec = HashSpec(block_size=cfg.block_size, model=cfg.served_model_name)
         events = EventQueue()
         engine_config = EngineConfig(
@@ -87,7 +107,9 @@ class WorkerProcess:
             max_batch_tokens=cfg.max_batch_tokens,
             max_model_len=cfg.max_model_len,
         )
-        self.engine = Engine(runner, engine_config, hash_spec=spec, on_events=events.put)
+        self.engine = Engine(
+            runner, engine_config, hash_spec=spec, on_events=events.put, sampler=sampler
+        )
         self.engine.start()
         metrics = WorkerMetrics(self.engine, cfg.worker_id)
         self.publisher = Publisher(
@@ -111,11 +133,6 @@ class WorkerProcess:
             ),
         )
 
-        tokenizer = None
-        if cfg.http_port or cfg.pin_system_prompt is not None:
-            from transformers import AutoTokenizer
-
-            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_dir))
         if cfg.pin_system_prompt is not None:
             await self._pin(tokenizer, cfg.pin_system_prompt)
 
@@ -211,6 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("kvroute worker: %s", exc)
         return 2
     logging.getLogger().setLevel(config.log_level)
+    if config.engine == "emulated" and "torch" not in sys.modules:
+        # An emulated worker needs only its tokenizer: keep transformers from
+        # importing torch (~250 MB a process), so dozens of workers fit one host.
+        sys.modules["torch"] = None  # type: ignore[assignment]
     try:
         _run(serve(config))
     except (OSError, ValueError, FileNotFoundError) as exc:

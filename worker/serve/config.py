@@ -32,6 +32,7 @@ DTYPES = {
 KV_CACHE_DTYPES = ("auto", "fp8")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+ENGINES = ("torch", "emulated")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class WorkerConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     log_level: str = "INFO"
+    engine: str = "torch"  # "emulated": a benchmark instrument, see worker/model/emulated.py
+    profile: str = ""  # the emulated engine's time model (a name in worker/model/profiles)
+    emulated_time_scale: float = 1.0
 
     def validate(self) -> WorkerConfig:
         """Returns ``self`` or raises ``ValueError`` naming the flag that is wrong."""
@@ -107,6 +111,13 @@ class WorkerConfig:
         for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):
             if path is not None and not path.is_file():
                 raise ValueError(f"{flag} {path}: no such file")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine {self.engine!r}: use torch or emulated")
+        if self.engine == "emulated" and not self.profile:
+            raise ValueError("--profile is required with --engine emulated")
+        if self.engine != "emulated" and self.profile:
+            raise ValueError("--profile needs --engine emulated")
+        _positive("--emulated-time-scale", self.emulated_time_scale)
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
         return self
@@ -184,6 +195,13 @@ _FLAGS: dict[str, tuple[str, Callable[[str], object], str]] = {
     "--tls-cert": ("tls_cert", _optional_path, "PEM certificate for gRPC TLS"),
     "--tls-key": ("tls_key", _optional_path, "PEM private key for gRPC TLS"),
     "--log-level": ("log_level", str.upper, "DEBUG, INFO, WARNING or ERROR"),
+    "--engine": ("engine", str, "torch, or emulated (a time model, for routing benchmarks)"),
+    "--profile": ("profile", str, "emulated engine profile: a name in worker/model/profiles"),
+    "--emulated-time-scale": (
+        "emulated_time_scale",
+        float,
+        "emulated engine: multiply every step's time (slow a GPU profile down to fit a CPU)",
+    ),
 }
 
 

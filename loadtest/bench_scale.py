@@ -1,0 +1,467 @@
+"""The gateway's index and mirror at fleet scale: memory, lookup and Redis costs.
+
+In-process, per fleet (workers x blocks per worker, block size 16), a fleet
+whose caches look like a cache-aware fleet's: every worker holds some of 64
+system prompts (64 blocks each, popularity Zipf-like, the most popular on
+every worker), a tenth of its blocks are conversations it shares with one
+other worker (spill), the rest are its own 4k-token conversations (a system
+prompt plus 192 blocks). Then:
+
+- ``index_bytes_per_entry``: resident memory the index added (RSS delta) per
+  (worker, block) entry, beside the index's own estimate;
+- route a 4k-token hit (index walk + ``Router.choose`` over the holders plus
+  ``--others`` least-loaded workers) p50/p99, a miss p50, and the same hit
+  scored over every worker (what routing over all ``WorkerState`` costs);
+- ``prune_ms_1m``: expiring 1M speculative entries; ``gc.collect`` pause.
+
+Against a real ``redis-server`` (started here): one worker publishes a 100k
+block set with the real ``Publisher``, and the real ``IndexMirror`` loads it
+(``load_worker_ms_100k``) while a probe task measures the longest event-loop
+stall; Redis bytes per block (``MEMORY USAGE`` of the set) and per stream
+entry; CPU of one registry poll with 1,000 registered workers.
+
+    python -m loadtest.bench_scale                 # the default fleets (~3 min)
+    python -m loadtest.bench_scale --fleets 10x20000 --quick
+
+1000 x 100k is measured with ``--fleets 1000x100000`` where memory allows; by
+default ``rss_gb_1000x100k`` is extrapolated from the largest fleet measured
+and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import redis
+import redis.asyncio as aioredis
+
+from contract.redis_layout import RedisLayout, WorkerRecord
+from gateway.routing.index import BlockIndex
+from gateway.routing.mirror import IndexMirror, WorkerEntry
+from gateway.routing.router import Router, RouterConfig, RouteRequest, WorkerState
+
+BLOCK_SIZE = 16
+PROMPTS = 64
+PROMPT_BLOCKS = 64
+CONV_BLOCKS = 192  # a conversation: system prompt + 192 blocks = 256 blocks = 4k tokens
+_RNG = np.random.default_rng(0)
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def _hashes(n: int) -> np.ndarray:
+    return _RNG.integers(1, 2**64, size=n, dtype=np.uint64)
+
+
+class Fleet:
+    """The synthetic fleet: per worker the hashes it holds, and sample chains to look up."""
+
+    def __init__(self, workers: int, blocks: int, seed: int = 0) -> None:
+        self.workers, self.blocks = workers, blocks
+        rng = random.Random(seed)
+        self.prompts = [_hashes(PROMPT_BLOCKS) for _ in range(PROMPTS)]
+        # Prompt k is held by about workers / (k + 1) workers (prompt 0 by all).
+        self.holders = [
+            set(rng.sample(range(workers), max(1, workers // (k + 1)))) for k in range(PROMPTS)
+        ]
+        self.samples: list[tuple[int, list[int]]] = []  # (worker, 256-block chain it holds)
+        self._rng = rng
+
+    def worker_hashes(self, w: int) -> np.ndarray:
+        """Worker ``w``'s block set (deterministic per worker; chains kept for sampling)."""
+        mine = [k for k in range(PROMPTS) if w in self.holders[k]]
+        budget = self.blocks - len(mine) * PROMPT_BLOCKS
+        own = max(0, budget - budget // 10)
+        convs = _hashes(own)
+        # Spill: a tenth shared with the next worker (the same hashes on both).
+        spill = np.random.default_rng(w // 2).integers(1, 2**64, size=budget // 10, dtype=np.uint64)
+        parts = [self.prompts[k] for k in mine] + [convs, spill]
+        if mine and own >= CONV_BLOCKS and len(self.samples) < 4000:
+            for c in range(min(4, own // CONV_BLOCKS)):
+                k = self._rng.choice(mine)
+                chain = (
+                    self.prompts[k].tolist()
+                    + convs[c * CONV_BLOCKS : (c + 1) * CONV_BLOCKS].tolist()
+                )
+                self.samples.append((w, chain))
+        return np.concatenate(parts)[: self.blocks]
+
+
+def _states(ids: list[str], cached: dict[str, int], loads: dict[str, int]) -> list[WorkerState]:
+    return [
+        WorkerState(
+            worker_id=w,
+            cached_blocks=cached.get(w, 0),
+            running=loads[w],
+            queued_prefill_tokens=loads[w] * 512,
+            prefill_tokens_per_s=8000.0,
+        )
+        for w in ids
+    ]
+
+
+def bench_fleet(workers: int, blocks: int, lookups: int, others: int) -> dict[str, Any]:
+    """Builds one fleet's index in-process and times lookups and routing."""
+    gc.collect()
+    fleet = Fleet(workers, blocks)
+    rss0 = _rss()
+    index = BlockIndex()
+    ids = [f"w{i}" for i in range(workers)]
+    add_s = []
+    for i, wid in enumerate(ids):
+        hashes = fleet.worker_hashes(i).tolist()
+        t0 = time.perf_counter()
+        index.replace(wid, hashes)
+        add_s.append(time.perf_counter() - t0)
+        del hashes
+    gc.collect()
+    rss1 = _rss()
+    stats = index.stats()
+    router = Router(RouterConfig())
+    rng = random.Random(1)
+    loads = {w: rng.randrange(0, 8) for w in ids}
+    least = sorted(ids, key=lambda w: loads[w])[:others]
+    hit_ms, all_ms, miss_ms, look_ms = [], [], [], []
+    for n in range(lookups):
+        w, chain = fleet.samples[n % len(fleet.samples)]
+        req = RouteRequest(prompt_tokens=len(chain) * BLOCK_SIZE, block_size=BLOCK_SIZE)
+        t0 = time.perf_counter()
+        cached = index.longest_prefix(chain, time.monotonic())
+        t1 = time.perf_counter()
+        cand = list(dict.fromkeys([*cached, *least]))
+        decision = router.choose(req, _states(cand, cached, loads))
+        t2 = time.perf_counter()
+        look_ms.append((t1 - t0) * 1e3)
+        hit_ms.append((t2 - t0) * 1e3)
+        assert cached.get(ids[w]) == len(chain), "a sampled chain must be a full hit"
+        assert decision.worker_id
+        if n % 10 == 0:
+            t0 = time.perf_counter()
+            cached = index.longest_prefix(chain, time.monotonic())
+            router.choose(req, _states(ids, cached, loads))
+            all_ms.append((time.perf_counter() - t0) * 1e3)
+        miss = _hashes(len(chain)).tolist()
+        t0 = time.perf_counter()
+        cached = index.longest_prefix(miss, time.monotonic())
+        router.choose(req, _states(list(dict.fromkeys([*cached, *least])), cached, loads))
+        miss_ms.append((time.perf_counter() - t0) * 1e3)
+    t0 = time.perf_counter()
+    gc.collect()
+    gc_ms = (time.perf_counter() - t0) * 1e3
+    entries = stats.entries
+    out = {
+        "workers": workers,
+        "blocks_per_worker": blocks,
+        "entries": entries,
+        "distinct_hashes": stats.hashes,
+        "shared_hashes": stats.shared_hashes,
+        "index_bytes_per_entry_rss": round((rss1 - rss0) / entries, 1),
+        "index_bytes_per_entry_estimate": round(stats.bytes / entries, 1),
+        "rss_gb": round(rss1 / 2**30, 3),
+        "load_worker_ms_p50": round(_pct([s * 1e3 for s in add_s], 0.5), 2),
+        "lookup_hit_p50_ms": round(_pct(look_ms, 0.5), 4),
+        "route_hit_p50_ms": round(_pct(hit_ms, 0.5), 4),
+        "route_hit_p99_ms": round(_pct(hit_ms, 0.99), 4),
+        "route_miss_p50_ms": round(_pct(miss_ms, 0.5), 4),
+        "route_hit_all_workers_scored_p50_ms": round(_pct(all_ms, 0.5), 4),
+        "gc_collect_ms": round(gc_ms, 1),
+        "chain_blocks": len(fleet.samples[0][1]),
+    }
+    del index, fleet
+    gc.collect()
+    return out
+
+
+def bench_prune(entries: int) -> float:
+    """Milliseconds to expire ``entries`` speculative (worker, block) entries."""
+    index = BlockIndex()
+    per = 256
+    chains = [_hashes(per).tolist() for _ in range(64)]
+    for n in range(entries // per):
+        index.speculate(f"w{n % 1000}", chains[n % 64], now=float(n) * 1e-6, ttl=2.0)
+    count = index.speculative_count()
+    t0 = time.perf_counter()
+    index.prune(now=1e9)
+    ms = (time.perf_counter() - t0) * 1e3
+    assert index.speculative_count() == 0 and count > 0
+    # Nothing expired: must cost ~nothing however many entries there are.
+    return ms
+
+
+# -- against a real Redis ----------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Redis:
+    """A private redis-server for the benchmark."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server not found: apt-get install redis-server")
+        self.dir = tempfile.mkdtemp(prefix="kvroute-bench-scale-")
+        self.port = _free_port()
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--dir",
+                self.dir,
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis.from_url(self.url).ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _FakeEngine:
+    def __init__(self, hashes: set[int]) -> None:
+        self.hashes = hashes
+
+    def stats(self) -> Any:
+        class S:
+            num_blocks = max(1, len(self.hashes))
+            running = waiting = queued_prefill_tokens = free_blocks = 0
+            prefill_tokens_per_s = decode_tokens_per_s = 0.0
+
+        return S()
+
+    def resident_block_hashes(self) -> set[int]:
+        return set(self.hashes)
+
+
+async def _loop_probe(stalls: list[float], stop: asyncio.Event) -> None:
+    last = time.perf_counter()
+    while not stop.is_set():
+        await asyncio.sleep(0.001)
+        now = time.perf_counter()
+        stalls.append((now - last) * 1e3)
+        last = now
+
+
+async def bench_redis(blocks: int, registry_workers: int) -> dict[str, Any]:
+    """Publisher -> Redis -> mirror for one big worker; registry poll at fleet size."""
+    from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
+
+    server = _Redis()
+    try:
+        layout = RedisLayout("bench")
+        hashes = set(_hashes(blocks).tolist())
+        engine = _FakeEngine(hashes)
+        record = WorkerRecord(worker_id="big", address="127.0.0.1:1", block_size=BLOCK_SIZE)
+        pub = Publisher(
+            engine, EventQueue(), PublisherConfig(server.url, "big", namespace="bench"), record
+        )
+        await pub.start()
+        client = aioredis.Redis.from_url(server.url)
+        deadline = time.monotonic() + 60
+        while pub.syncs == 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("publisher never synced")
+            await asyncio.sleep(0.05)
+        sync = redis.Redis.from_url(server.url)
+        blocks_bytes = int(sync.memory_usage(layout.blocks("big"), samples=0) or 0)
+        # Stream entries: a step's worth of events, as the engine sends them.
+        before = int(sync.memory_usage(layout.events("big"), samples=0) or 0)
+        extra = _hashes(2000).tolist()
+        for i in range(0, 2000, 8):
+            pub.queue.put([_stored(extra[i : i + 8])])
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.5)
+        n_entries = int(sync.xlen(layout.events("big")))
+        after = int(sync.memory_usage(layout.events("big"), samples=0) or 0)
+        stream_bytes = (after - before) / max(1, n_entries - 1)
+
+        index = BlockIndex()
+        mirror = IndexMirror(server.url, layout, index)
+        await mirror.sync_registry(client)
+        assert index.block_count("big") >= blocks, index.block_count("big")
+        # A full reload of the 100k worker while the loop is probed.
+        load_ms = []
+        stall_max = 0.0
+        for _ in range(3):
+            stalls: list[float] = []
+            stop = asyncio.Event()
+            probe = asyncio.create_task(_loop_probe(stalls, stop))
+            await asyncio.sleep(0.01)
+            t0 = time.perf_counter()
+            await mirror.load_worker(client, "big")
+            load_ms.append((time.perf_counter() - t0) * 1e3)
+            stop.set()
+            await probe
+            stall_max = max(stall_max, max(stalls))
+        await pub.stop()
+
+        # Registry poll at fleet size: records as workers write them (all live).
+        for i in range(registry_workers):
+            rec = WorkerRecord(
+                worker_id=f"r{i}",
+                address=f"127.0.0.1:{20000 + i}",
+                block_size=BLOCK_SIZE,
+                hash_spec={"version": "x"},
+                epoch="e",
+                running=i % 5,
+                updated_at=time.time(),
+            )
+            sync.hset(layout.worker(rec.worker_id), mapping=rec.to_mapping())
+            sync.sadd(layout.workers, rec.worker_id)
+        mirror2 = IndexMirror(server.url, layout, BlockIndex())
+        for wid in [f"r{i}" for i in range(registry_workers)]:
+            rec = WorkerRecord(worker_id=wid, address="x", epoch="e")
+            mirror2.workers[wid] = WorkerEntry(record=rec, spec=None, loaded=True)
+        await mirror2.sync_registry(client)  # first pass loads (empty sets)
+        polls = []
+        for _ in range(5):
+            t0 = time.process_time()
+            await mirror2.sync_registry(client)
+            polls.append((time.process_time() - t0) * 1e3)
+        await client.aclose()
+        return {
+            "blocks": blocks,
+            "redis_bytes_per_block": round(blocks_bytes / blocks, 1),
+            "redis_stream_bytes_per_entry": round(stream_bytes, 1),
+            "stream_entry_blocks": 8,
+            "load_worker_ms": round(statistics.median(load_ms), 1),
+            "max_loop_stall_ms": round(stall_max, 1),
+            "registry_workers": registry_workers,
+            "registry_poll_cpu_ms": round(statistics.median(polls), 1),
+        }
+    finally:
+        server.close()
+
+
+def _stored(hashes: list[int]) -> Any:
+    from contract.events import BlockStored
+
+    return BlockStored(tuple(hashes))
+
+
+def run(fleets: list[tuple[int, int]], lookups: int, others: int, quick: bool) -> dict[str, Any]:
+    results = [bench_fleet(w, b, lookups, others) for w, b in fleets]
+    prune_entries = 100_000 if quick else 1_000_000
+    prune_ms = bench_prune(prune_entries) * (1_000_000 / prune_entries)
+    redis_part = asyncio.run(bench_redis(20_000 if quick else 100_000, 100 if quick else 1000))
+    worst = max(results, key=lambda r: r["index_bytes_per_entry_rss"])
+    big = [r for r in results if r["workers"] == 1000]
+    full = [r for r in results if r["workers"] == 1000 and r["blocks_per_worker"] == 100_000]
+    largest = max(results, key=lambda r: r["entries"])
+    if full:
+        rss, how = full[0]["rss_gb"], "measured"
+    else:
+        per = largest["index_bytes_per_entry_rss"]
+        rss = round((per * 1000 * 100_000) / 2**30 + 0.3, 2)
+        how = (
+            f"extrapolated: {per} B/entry measured at {largest['workers']}x"
+            f"{largest['blocks_per_worker']} x 1e8 entries + 0.3 GB process"
+        )
+    summary = {
+        "index_bytes_per_entry": worst["index_bytes_per_entry_rss"],
+        "route_hit_p50_ms_1000_workers": big[0]["route_hit_p50_ms"] if big else None,
+        "route_hit_p99_ms_1000_workers": big[0]["route_hit_p99_ms"] if big else None,
+        "route_miss_p50_ms_1000_workers": big[0]["route_miss_p50_ms"] if big else None,
+        "load_worker_ms_100k": redis_part["load_worker_ms"],
+        "registry_poll_cpu_ms_1000_workers": redis_part["registry_poll_cpu_ms"],
+        "prune_ms_1m": round(prune_ms, 1),
+        "redis_bytes_per_block": redis_part["redis_bytes_per_block"],
+        "max_loop_stall_ms": redis_part["max_loop_stall_ms"],
+        "rss_gb_1000x100k": rss,
+        "rss_gb_1000x100k_source": how,
+    }
+    targets = {
+        "index_bytes_per_entry": 48,
+        "route_hit_p99_ms_1000_workers": 2.0,
+        "max_loop_stall_ms": 50.0,
+        "redis_bytes_per_block": 40.0,
+        "rss_gb_1000x100k": 8.0,
+    }
+    met = {k: summary[k] is not None and summary[k] <= v for k, v in targets.items()}  # type: ignore[operator]
+    return {
+        "benchmark": "gateway index and mirror at fleet scale (block size 16)",
+        "fleets": results,
+        "redis": redis_part,
+        "summary": summary,
+        "targets": targets,
+        "targets_met": met,
+        "target_met": all(met.values()),
+        "quick": quick,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "python": sys.version.split()[0],
+    }
+
+
+def _fleet(text: str) -> tuple[int, int]:
+    w, _, b = text.partition("x")
+    return int(w), int(b)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.bench_scale", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--fleets",
+        default="10x20000,100x100000,1000x20000",
+        help="comma-separated WORKERSxBLOCKS fleets",
+    )
+    parser.add_argument("--lookups", type=int, default=2000)
+    parser.add_argument("--others", type=int, default=8, help="least-loaded non-holders scored")
+    parser.add_argument("--quick", action="store_true", help="smaller Redis and prune runs")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    fleets = [_fleet(f) for f in args.fleets.split(",") if f]
+    result = run(fleets, args.lookups, args.others, args.quick)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
