@@ -512,7 +512,7 @@ async def test_metrics_expose_every_documented_name(stack: Stack) -> None:
     documented = set(
         re.findall(r"`(kvroute_worker_[a-z0-9_]+)`", (ROOT / "docs" / "INTERFACES.md").read_text())
     )
-    assert len(documented) == 13
+    assert len(documented) == 16
     wid = ("worker_id", stack.worker_id)
     finished = ("kvroute_worker_requests_total", (("finish_reason", "length"), wid))
     deadline = time.monotonic() + 5
@@ -522,7 +522,8 @@ async def test_metrics_expose_every_documented_name(stack: Stack) -> None:
         samples = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                assert sample.labels.get("worker_id") == stack.worker_id
+                if not family.name.startswith(("process_", "python_")):
+                    assert sample.labels.get("worker_id") == stack.worker_id
                 samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
         if samples[finished] or time.monotonic() > deadline:
             break
@@ -534,7 +535,38 @@ async def test_metrics_expose_every_documented_name(stack: Stack) -> None:
     assert samples[("kvroute_worker_generation_tokens_total", (wid,))] == 3
     assert samples[("kvroute_worker_ttft_seconds_count", (wid,))] == 1
     assert samples[("kvroute_worker_inter_token_latency_seconds_count", (wid,))] == 2
-    assert samples[("kvroute_worker_blocks", (("state", "total"), wid))] == NUM_BLOCKS
+    assert samples[("kvroute_worker_block_capacity", (wid,))] == NUM_BLOCKS
+    # The states partition the pool: used + free is the capacity, whatever is cached.
+    used = samples[("kvroute_worker_blocks", (("state", "used"), wid))]
+    free = samples[("kvroute_worker_blocks", (("state", "free"), wid))]
+    assert used + free == NUM_BLOCKS
+    assert 0 <= samples[("kvroute_worker_cached_blocks", (wid,))] <= NUM_BLOCKS
+    assert samples[("process_resident_memory_bytes", ())] > 0
+    assert not any(name.startswith("vllm:") for name in names)  # aliases are opt-in
+
+
+async def test_vllm_metric_aliases_mirror_the_kvroute_counters(stack: Stack) -> None:
+    await stack.openai.completions.create(model="tiny", prompt="a b c d e", max_tokens=2)
+    text = WorkerMetrics(stack.engine, stack.worker_id, "tiny").render().decode()
+    values = {
+        (s.name, s.labels.get("model_name")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    prompt = values[("kvroute_worker_prompt_tokens_total", None)]
+    assert prompt > 0
+    assert values[("vllm:prompt_tokens_total", "tiny")] == prompt
+    assert values[("vllm:prefix_cache_queries_total", "tiny")] == prompt
+    assert (
+        values[("vllm:prefix_cache_hits_total", "tiny")]
+        == (values[("kvroute_worker_cached_prompt_tokens_total", None)])
+    )
+    assert (
+        values[("vllm:generation_tokens_total", "tiny")]
+        == (values[("kvroute_worker_generation_tokens_total", None)])
+    )
+    assert ("vllm:num_requests_running", "tiny") in values
+    assert 0 <= values[("vllm:kv_cache_usage_perc", "tiny")] <= 1
 
 
 # --- faults and the real command ----------------------------------------------------------
@@ -660,9 +692,7 @@ def test_kvroute_worker_command_serves_registers_and_deregisters_on_sigterm(
                     assert resp.status == 200
                 async with http.get("/metrics") as resp:
                     metrics = await resp.text()
-            pinned = re.search(
-                r'kvroute_worker_blocks\{state="pinned",worker_id="[^"]+"\} (\S+)', metrics
-            )
+            pinned = re.search(r'kvroute_worker_pinned_blocks\{worker_id="[^"]+"\} (\S+)', metrics)
             assert pinned and float(pinned.group(1)) >= 3  # ~70-token system message
 
         asyncio.run(talk())

@@ -111,7 +111,9 @@ class WorkerProcess:
             runner, engine_config, hash_spec=spec, on_events=events.put, sampler=sampler
         )
         self.engine.start()
-        metrics = WorkerMetrics(self.engine, cfg.worker_id)
+        metrics = WorkerMetrics(
+            self.engine, cfg.worker_id, cfg.served_model_name if cfg.vllm_metrics else None
+        )
         self.publisher = Publisher(
             self.engine,
             events,

@@ -63,6 +63,7 @@ class WorkerConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     log_level: str = "INFO"
+    vllm_metrics: bool = False  # also export vllm:* aliases of the fleet-level metrics
     engine: str = "torch"  # "emulated": a benchmark instrument, see worker/model/emulated.py
     profile: str = ""  # the emulated engine's time model (a name in worker/model/profiles)
     emulated_time_scale: float = 1.0
@@ -153,6 +154,13 @@ def _optional_path(raw: str) -> Path | None:
     return Path(raw).expanduser() if raw else None
 
 
+def _bool(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError("use true or false")
+    return lowered in ("true", "1", "yes")
+
+
 def _dtype(raw: str) -> str:
     return DTYPES.get(raw.lower(), raw)
 
@@ -195,6 +203,11 @@ _FLAGS: dict[str, tuple[str, Callable[[str], object], str]] = {
     "--tls-cert": ("tls_cert", _optional_path, "PEM certificate for gRPC TLS"),
     "--tls-key": ("tls_key", _optional_path, "PEM private key for gRPC TLS"),
     "--log-level": ("log_level", str.upper, "DEBUG, INFO, WARNING or ERROR"),
+    "--vllm-metrics": (
+        "vllm_metrics",
+        _bool,
+        "true: also export vLLM-named metrics (vllm:prompt_tokens_total, ...) on /metrics",
+    ),
     "--engine": ("engine", str, "torch, or emulated (a time model, for routing benchmarks)"),
     "--profile": ("profile", str, "emulated engine profile: a name in worker/model/profiles"),
     "--emulated-time-scale": (

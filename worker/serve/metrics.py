@@ -12,7 +12,13 @@ Two sources, one exposition:
   ``abort`` there.
 
 Names are the contract with ``deploy/`` dashboards (``docs/INTERFACES.md``);
-every series carries ``worker_id``.
+every ``kvroute_worker_*`` series carries ``worker_id`` (the gateway uses the
+same label), each gauge has one unit, and ``kvroute_worker_blocks{state}``
+partitions the pool (``used + free`` is the capacity; how many blocks hold
+reusable KV, in use or not, is the separate ``kvroute_worker_cached_blocks``).
+The standard ``process_*`` metrics come along; with ``vllm_aliases`` the
+fleet-level counters are also exported under vLLM's names (``vllm:*``,
+labelled ``model_name``), so vLLM dashboards and inference-perf read them.
 """
 
 from __future__ import annotations
@@ -20,13 +26,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort")
-BLOCK_STATES = ("total", "used", "cached", "free", "pinned")
+BLOCK_STATES = ("used", "free")  # a partition: they add up to the pool's capacity
 
 # Every name in docs/INTERFACES.md; tests check the exposition against this tuple.
 METRIC_NAMES = (
@@ -37,6 +50,9 @@ METRIC_NAMES = (
     "kvroute_worker_preemptions_total",
     "kvroute_worker_evictions_total",
     "kvroute_worker_blocks",
+    "kvroute_worker_block_capacity",
+    "kvroute_worker_cached_blocks",
+    "kvroute_worker_pinned_blocks",
     "kvroute_worker_running",
     "kvroute_worker_waiting",
     "kvroute_worker_queued_prefill_tokens",
@@ -62,6 +78,13 @@ _ENGINE_COUNTERS = (
     ("kvroute_worker_evictions", "evictions_total", "Cached blocks evicted for reuse."),
 )
 _ENGINE_GAUGES = (
+    ("kvroute_worker_block_capacity", "num_blocks", "KV blocks in the pool."),
+    (
+        "kvroute_worker_cached_blocks",
+        "cached_blocks",
+        "KV blocks holding a reusable hashed block, in use or free.",
+    ),
+    ("kvroute_worker_pinned_blocks", "pinned_blocks", "KV blocks pinned (never evicted)."),
     ("kvroute_worker_running", "running", "Sequences running."),
     ("kvroute_worker_waiting", "waiting", "Sequences waiting for admission."),
     (
@@ -76,12 +99,37 @@ class StatsSource(Protocol):
     def stats(self) -> Any: ...
 
 
+# vLLM's names for the same figures: (vLLM name without _total, kind, EngineStats field, help).
+_VLLM_ALIASES = (
+    ("vllm:prompt_tokens", "counter", "prompt_tokens_total", "Prompt tokens processed."),
+    ("vllm:generation_tokens", "counter", "generation_tokens_total", "Generation tokens."),
+    (
+        "vllm:prefix_cache_queries",
+        "counter",
+        "prompt_tokens_total",
+        "Prefix cache queries, in tokens.",
+    ),
+    (
+        "vllm:prefix_cache_hits",
+        "counter",
+        "cached_prompt_tokens_total",
+        "Prefix cache hits, in tokens.",
+    ),
+    ("vllm:num_preemptions", "counter", "preemptions_total", "Preemptions."),
+    ("vllm:num_requests_running", "gauge", "running", "Requests running."),
+    ("vllm:num_requests_waiting", "gauge", "waiting", "Requests waiting."),
+)
+
+
 class _EngineCollector(Collector):
     """Reads ``engine.stats()`` at each scrape."""
 
-    def __init__(self, engine: StatsSource, worker_id: str) -> None:
+    def __init__(
+        self, engine: StatsSource, worker_id: str, vllm_model_name: str | None = None
+    ) -> None:
         self.engine = engine
         self.worker_id = worker_id
+        self.vllm_model_name = vllm_model_name  # None = no vllm:* aliases
 
     def describe(self) -> list[Metric]:
         # Names only, so registering does not call into the engine.
@@ -94,7 +142,30 @@ class _EngineCollector(Collector):
                 "kvroute_worker_blocks", "KV blocks by state.", labels=["worker_id", "state"]
             )
         )
-        return out
+        return out + list(self._aliases(None))
+
+    def _aliases(self, stats: Any) -> Iterator[Metric]:
+        if self.vllm_model_name is None:
+            return
+        labels = ["model_name", "worker_id"]
+        values = [self.vllm_model_name, self.worker_id]
+        for name, kind, field_name, text in _VLLM_ALIASES:
+            family: Metric
+            if kind == "counter":
+                family = CounterMetricFamily(name, text, labels=labels)
+            else:
+                family = GaugeMetricFamily(name, text, labels=labels)
+            if stats is not None:
+                family.add_metric(values, float(getattr(stats, field_name)))
+            yield family
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", labels=labels
+        )
+        if stats is not None:
+            usage.add_metric(
+                values, stats.used_blocks / stats.num_blocks if stats.num_blocks else 0.0
+            )
+        yield usage
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats()
@@ -110,24 +181,24 @@ class _EngineCollector(Collector):
         blocks = GaugeMetricFamily(
             "kvroute_worker_blocks", "KV blocks by state.", labels=["worker_id", "state"]
         )
-        values = {
-            "total": stats.num_blocks,
-            "used": stats.used_blocks,
-            "cached": stats.cached_blocks,
-            "free": stats.free_blocks,
-            "pinned": stats.pinned_blocks,
-        }
+        values = {"used": stats.used_blocks, "free": stats.free_blocks}
         for state in BLOCK_STATES:
             blocks.add_metric([self.worker_id, state], float(values[state]))
         yield blocks
+        yield from self._aliases(stats)
 
 
 class WorkerMetrics:
     """The metrics of one worker; ``render()`` is the ``/metrics`` body."""
 
-    def __init__(self, engine: StatsSource, worker_id: str) -> None:
+    def __init__(
+        self, engine: StatsSource, worker_id: str, vllm_model_name: str | None = None
+    ) -> None:
+        """``vllm_model_name``: also export the ``vllm:*`` aliases, labelled with this name."""
         self.worker_id = worker_id
         self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
         labels = ["worker_id"]
         self.requests = Counter(
             "kvroute_worker_requests",
@@ -162,7 +233,7 @@ class WorkerMetrics:
         self._ttft = self.ttft.labels(worker_id)
         self._itl = self.itl.labels(worker_id)
         self._e2e = self.e2e.labels(worker_id)
-        self.registry.register(_EngineCollector(engine, worker_id))
+        self.registry.register(_EngineCollector(engine, worker_id, vllm_model_name))
         add_listener = getattr(engine, "add_finished_listener", None)
         if add_listener is not None:
             add_listener(self.on_request_finished)
