@@ -43,6 +43,9 @@ from loadtest.workloads import ChatConfig, Conversation, chat_workload
 logger = logging.getLogger(__name__)
 
 REASON_HEADER = "x-kvroute-reason"
+ENGINES = ("torch", "emulated")
+# The GPU profile the README's fleet-scale figures use (worker/model/profiles/).
+DEFAULT_PROFILE = "h100-llama3.1-8b"
 _COUNTER_RE = re.compile(
     r"^(kvroute_worker_(?:cached_)?prompt_tokens_total)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M
 )
@@ -68,8 +71,13 @@ class FleetBenchConfig:
     worker_threads: int = 1  # torch threads per worker; 0 = torch's default
     from_turn: int = 3
     log_dir: str = ""
+    engine: str = "torch"  # "emulated": workers run a profile's time model (see below)
+    profile: str = DEFAULT_PROFILE
+    emulated_time_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine {self.engine!r}: choose from {', '.join(ENGINES)}")
         if not self.policies:
             raise ValueError("--policies must name at least one policy")
         if self.worker_threads < 0:
@@ -304,14 +312,32 @@ def measure(
     model = served_model(worker_urls[0])
     warm_up(worker_urls, model)
     before = worker_counters(worker_urls)
-    client = ClientConfig(base_url=base_url, model=model, ignore_eos=True)
+    scale = cfg.emulated_time_scale if cfg.engine == "emulated" else 1.0
+    client = ClientConfig(base_url=base_url, model=model, ignore_eos=True, time_scale=scale)
     t0 = time.perf_counter()
-    results = asyncio.run(play(chat_workload(cfg.chat()), client, on_result))
+    results = unscale(asyncio.run(play(chat_workload(cfg.chat()), client, on_result)), scale)
     wall_s = time.perf_counter() - t0
     out: dict[str, Any] = {"wall_s": wall_s}
     out.update(summarize(results, cfg.from_turn))
     out["worker_metrics"] = counters_delta(before, worker_counters(worker_urls))
     return out
+
+
+def unscale(results: list[RequestResult], scale: float) -> list[RequestResult]:
+    """Times of a run slowed down ``scale`` times (emulated engine, arrivals) back in real units.
+
+    With ``--emulated-time-scale K`` every engine step and every arrival gap is
+    K times longer, so the host's own CPU costs (HTTP, routing) shrink K-fold
+    relative to the emulated GPU; dividing by K reports the emulated fleet's times.
+    """
+    if scale == 1.0:
+        return results
+    for r in results:
+        r.sent_s /= scale
+        r.ttft_s = None if r.ttft_s is None else r.ttft_s / scale
+        r.e2e_s = None if r.e2e_s is None else r.e2e_s / scale
+        r.itl_s = [gap / scale for gap in r.itl_s]
+    return results
 
 
 def fleet_config(cfg: FleetBenchConfig, policy: str, name: str = "") -> FleetConfig:
@@ -323,7 +349,16 @@ def fleet_config(cfg: FleetBenchConfig, policy: str, name: str = "") -> FleetCon
         num_blocks=cfg.num_blocks,
         max_num_seqs=cfg.max_num_seqs,
         log_dir=os.path.join(cfg.log_dir, name or policy) if cfg.log_dir else "",
+        worker_args=emulated_worker_args(cfg),
     )
+
+
+def emulated_worker_args(cfg: FleetBenchConfig) -> tuple[str, ...]:
+    """The worker flags of ``--engine emulated`` (none for the real engine)."""
+    if cfg.engine != "emulated":
+        return ()
+    scale = str(cfg.emulated_time_scale)
+    return ("--engine", "emulated", "--profile", cfg.profile, "--emulated-time-scale", scale)
 
 
 def run_policy(
@@ -396,6 +431,9 @@ _FLEET_FLAGS: tuple[tuple[str, type], ...] = (
     ),
     ("think_time_s", float),
     ("arrival_rate", float),
+    ("engine", str),
+    ("profile", str),
+    ("emulated_time_scale", float),
 )
 
 
