@@ -41,7 +41,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 typecheck: install
-	$(VENV)/bin/mypy contract gateway
+	$(VENV)/bin/mypy contract gateway worker openai_api
 
 pytest: install system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)

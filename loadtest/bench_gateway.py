@@ -26,7 +26,6 @@ from contract.redis_layout import RedisLayout, WorkerRecord
 from gateway.edge.auth import ANONYMOUS
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RollingStats
-from gateway.protocol import parse_chat
 from gateway.routing.dispatch import Dispatcher, Job
 from gateway.routing.index import BlockIndex
 from gateway.routing.mirror import IndexMirror, WorkerEntry
@@ -35,7 +34,8 @@ from gateway.routing.sessions import SessionMap
 from gateway.text.prefix_tokens import Prompt
 from gateway.text.tokenizer import ChatTokenizer
 from gateway.text.tokenizer_folder import resolve_model_dir
-from gateway.upstream.grpc_worker import WorkerClients
+from gateway.upstream.grpc_worker import GrpcUpstream
+from openai_api.requests import parse_chat
 
 _WORDS = [
     "cache",
@@ -118,7 +118,7 @@ def _dispatcher(spec: HashSpec, workers: int) -> Dispatcher:
         mirror=mirror,
         index=index,
         router=Router(RouterConfig()),
-        clients=WorkerClients(),
+        upstreams={"grpc": GrpcUpstream()},
         sessions=SessionMap(600.0),
         metrics=GatewayMetrics(),
         stats=RollingStats(),
@@ -171,12 +171,13 @@ def run(
                 job = Job(
                     request_id=f"c{c}t{turn}",
                     prompt=prompt,
-                    sampling=None,  # type: ignore[arg-type]
+                    generation=None,  # type: ignore[arg-type]
                     tenant=ANONYMOUS,
                     session_key=req.sampling.user,
                     started=t0,
                 )
-                decision, _, _ = dispatcher.route(job)
+                candidates = dispatcher.hash(job, dispatcher.candidates())
+                decision = dispatcher.choose(job, candidates, dispatcher.look_up(candidates))
                 t4 = time.perf_counter()
                 per_request.append((t4 - t0) * 1e3)
                 if turn == turns - 1:

@@ -13,10 +13,10 @@ A discrete-event simulation of one gateway and N workers:
   ``event_delay_s`` later, plus speculative entries for ``speculative_ttl_s``
   after each routing, exactly as the gateway adds them. Registry load
   (running, waiting, queued prefill tokens, free blocks) is refreshed every
-  ``heartbeat_s`` and corrected the way ``gateway.routing.dispatch`` corrects it:
-  finishes seen since the heartbeat are subtracted, queued prefill tokens are
-  at least this gateway's own not-yet-started prompt tokens, and ``inflight``
-  is the gateway's own exact count.
+  ``heartbeat_s`` and corrected by ``gateway.routing.load.corrected_load``, the
+  function the gateway's dispatcher calls; ``inflight`` is the gateway's own
+  exact count. The gateway's view of blocks is ``gateway.routing.index.BlockIndex``
+  itself, fed the workers' events ``event_delay_s`` late plus speculative entries.
 - Gateway policies are decided by ``gateway.routing.router.Router`` itself;
   ``chwbl`` and ``sglang_like`` come from ``loadtest.baselines``.
 
@@ -34,6 +34,8 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.routing.index import BlockIndex
+from gateway.routing.load import corrected_load
 from gateway.routing.router import POLICIES, Router, RouterConfig, RouteRequest, WorkerState
 from loadtest.baselines import Chwbl, SglangLike
 from loadtest.blockcache import BlockCache
@@ -136,8 +138,10 @@ class FleetSimulation:
         self.cfg = config
         ids = [f"w{i}" for i in range(config.workers)]
         self.workers = {wid: _Worker(wid, BlockCache(config.capacity_blocks)) for wid in ids}
-        self.views: dict[str, set[Hashable]] = {wid: set() for wid in ids}
-        self.speculative: dict[str, dict[Hashable, float]] = {wid: {} for wid in ids}
+        # The gateway's own index, fed the workers' events as its Redis mirror would be.
+        self.index = BlockIndex()
+        for wid in ids:
+            self.index.add(wid, ())
         self.inflight: dict[str, int] = dict.fromkeys(ids, 0)
         # The gateway's own prompt tokens sent but not yet through prefill, per worker.
         self.pending_prefill: dict[str, int] = dict.fromkeys(ids, 0)
@@ -200,11 +204,7 @@ class FleetSimulation:
         rec.predicted_cached_tokens = min(
             predicted_blocks * self.cfg.block_size, shape.prompt_tokens
         )
-        if self.cfg.speculative_ttl_s > 0:
-            spec = self.speculative[wid]
-            expiry = now + self.cfg.speculative_ttl_s
-            for key in shape.block_keys:
-                spec[key] = expiry
+        self.index.speculate(wid, shape.block_keys, now, self.cfg.speculative_ttl_s)
         self.inflight[wid] += 1
         self.pending_prefill[wid] += shape.prompt_tokens - rec.predicted_cached_tokens
         if shape.session is not None:
@@ -265,33 +265,25 @@ class FleetSimulation:
         for nxt in self._followers.pop(shape.request_id, ()):
             self._push(now + nxt.think_s, _ARRIVE, nxt)
 
-    def _stored(self, now: float, data: tuple[str, list[Hashable]]) -> None:
-        self.views[data[0]].update(data[1])
+    def _stored(self, now: float, data: tuple[str, list[int]]) -> None:
+        self.index.add(data[0], data[1])
 
-    def _removed(self, now: float, data: tuple[str, list[Hashable]]) -> None:
-        self.views[data[0]].difference_update(data[1])
+    def _removed(self, now: float, data: tuple[str, list[int]]) -> None:
+        self.index.remove(data[0], data[1])
 
     def _heartbeat(self, now: float, _: object) -> None:
         for wid, w in self.workers.items():
             self.snapshot[wid] = w.live_state(now)
             self.finished_at[wid].clear()  # the new snapshot already counts them
-            spec = self.speculative[wid]
-            if spec:
-                self.speculative[wid] = {k: t for k, t in spec.items() if t > now}
+        self.index.prune(now)
         if self._pending > 0:
             self._push(now + self.cfg.heartbeat_s, _HEARTBEAT, None, counted=False)
 
     # -- routing -----------------------------------------------------------------
 
-    def view_match(self, wid: str, keys: tuple[Hashable, ...], now: float) -> int:
+    def view_match(self, wid: str, keys: tuple[int, ...], now: float) -> int:
         """Leading blocks of ``keys`` the gateway believes ``wid`` holds (events + speculation)."""
-        view, spec = self.views[wid], self.speculative[wid]
-        n = 0
-        for key in keys:
-            if key not in view and spec.get(key, -1.0) <= now:
-                break
-            n += 1
-        return n
+        return self.index.longest_prefix(keys, now).get(wid, 0)
 
     def _make_policy(self) -> Callable[[RequestShape, float], tuple[str, str, int]]:
         cfg = self.cfg
@@ -332,10 +324,8 @@ class FleetSimulation:
         )
 
         def route_gateway(shape: RequestShape, now: float) -> tuple[str, str, int]:
-            states = [
-                self.worker_state(wid, self.view_match(wid, shape.block_keys, now), now)
-                for wid in wids
-            ]
+            cached = self.index.longest_prefix(shape.block_keys, now)
+            states = [self.worker_state(wid, cached.get(wid, 0), now) for wid in wids]
             decision = router.choose(
                 RouteRequest(
                     prompt_tokens=shape.prompt_tokens,
@@ -353,21 +343,20 @@ class FleetSimulation:
         """The router's view of ``wid``, built the way ``gateway.routing.dispatch`` builds it."""
         cfg = self.cfg
         if cfg.heartbeat_s == 0:
-            running, waiting, queued, free = self.workers[wid].live_state(now)
+            running, waiting, queued, _ = self.workers[wid].live_state(now)
+            queued = max(queued, self.pending_prefill[wid])
         else:
-            running, waiting, queued, free = self.snapshot[wid]
-            done = len(self.finished_at[wid])  # finishes since the last heartbeat
-            running, waiting = (max(0, running - max(0, done - waiting)), max(0, waiting - done))
-            queued = queued if running + waiting else 0
+            running, waiting, queued, _ = self.snapshot[wid]
+            running, waiting, queued = corrected_load(
+                running, waiting, queued, len(self.finished_at[wid]), self.pending_prefill[wid]
+            )
         return WorkerState(
             worker_id=wid,
             cached_blocks=cached_blocks,
             running=running,
             waiting=waiting,
-            queued_prefill_tokens=max(queued, self.pending_prefill[wid]),
+            queued_prefill_tokens=queued,
             prefill_tokens_per_s=cfg.prefill_tokens_per_s,
-            free_blocks=free,
-            num_blocks=cfg.capacity_blocks,
             inflight=self.inflight[wid],
         )
 

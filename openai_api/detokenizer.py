@@ -8,6 +8,11 @@ the new ones and emits the difference, holding back while the tail is an
 incomplete character (U+FFFD). Stop strings are matched on the text: the
 text up to the first match is emitted, never the stop string itself, and
 text that could still grow into a stop string is held back until it cannot.
+
+Stop matching is linear in the generated text whatever the stop strings'
+length: each stop string runs a Knuth-Morris-Pratt automaton fed one
+character at a time, whose state is exactly "how much of the stop string the
+text currently ends with" — the length to hold back.
 """
 
 from __future__ import annotations
@@ -19,21 +24,60 @@ _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 5  # prompt ids used as left context for the first decode
 
 
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas."""
+class _StopMatcher:
+    """One stop string's KMP automaton; ``state`` = longest stop prefix the text ends with."""
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.state = 0
+        fail = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            fail[i] = k
+        self._fail = fail
+
+    def feed(self, ch: str) -> bool:
+        """Advances by one character; True when the stop string just completed."""
+        k = self.state
+        while k and ch != self.stop[k]:
+            k = self._fail[k - 1]
+        if ch == self.stop[k]:
+            k += 1
+        if k == len(self.stop):
+            self.state = self._fail[k - 1]
+            return True
+        self.state = k
+        return False
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text deltas, cut at the first stop string."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._tok = tokenizer
+        self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._stop = tuple(s for s in stop if s)
+        self._matchers = [_StopMatcher(s) for s in stop if s]
         self.text = ""  # all text decoded so far (before stop truncation)
+        self._scanned = 0  # characters of self.text fed to the stop matchers
         self._emitted = 0  # characters of self.text already returned
         self.stopped = False  # a stop string matched; no more text will come
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return str(self._tok.decode(ids, skip_special_tokens=True))
+        return str(self._tok.decode(list(ids), skip_special_tokens=self._skip_special))
 
     def push(self, new_ids: Sequence[int]) -> str:
         """Adds generated ids; returns the text that is now final (maybe "")."""
@@ -54,8 +98,7 @@ class IncrementalDetokenizer:
         """The rest of the text once generation ended (flushes held-back text)."""
         if self.stopped:
             return ""
-        tail_ids = self._ids[self._read_offset :]
-        if tail_ids:
+        if self._ids[self._read_offset :]:
             # Bytes that never completed a character: decode them as they are.
             prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
             full = self._decode(self._ids[self._prefix_offset :])
@@ -64,32 +107,25 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        if self._stop:
-            # A match can start at most max(len(stop)) - 1 characters before the new text.
-            start = max(0, self._emitted - max(len(s) for s in self._stop) + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
-            if hits:
-                cut = min(hits)
-                self.stopped = True
-                out = self.text[self._emitted : cut] if cut > self._emitted else ""
-                self._emitted = max(self._emitted, cut)
-                return out
-        end = len(self.text) if final else len(self.text) - self._held_back()
+        text = self.text
+        for i in range(self._scanned, len(text)):
+            ch = text[i]
+            for m in self._matchers:
+                if m.feed(ch):
+                    cut = i + 1 - len(m.stop)
+                    self.stopped = True
+                    self._scanned = i + 1
+                    out = text[self._emitted : cut] if cut > self._emitted else ""
+                    self._emitted = max(self._emitted, cut)
+                    return out
+        self._scanned = len(text)
+        held = 0 if final else max((m.state for m in self._matchers), default=0)
+        end = len(text) - held
         if end <= self._emitted:
             return ""
-        out = self.text[self._emitted : end]
+        out = text[self._emitted : end]
         self._emitted = end
         return out
-
-    def _held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        best = 0
-        for s in self._stop:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
 
     @property
     def output_text(self) -> str:

@@ -1,27 +1,34 @@
-"""The OpenAI request and response shapes: parsing with validation, and builders.
+"""OpenAI request bodies: parsing with validation, the one parser of every kvroute front.
 
 Parsing turns a decoded JSON body into a frozen dataclass or raises
 ``APIError(400)`` naming the offending parameter; nothing here touches the
-network or the tokenizer.
+network or the tokenizer. The gateway's edge and a worker's own HTTP front
+both call these functions, so a body means the same thing on either.
+
+Defaults follow OpenAI and vLLM: ``/v1/completions`` generates 16 tokens when
+``max_tokens`` is unset, chat generates as much as the context leaves.
+``top_p=0`` is the limit of nucleus sampling, the single most likely token:
+it is parsed as greedy (temperature 0), never passed on as "unset".
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.edge.errors import APIError
+from openai_api.errors import APIError
 
 MAX_STOP_STRINGS = 4
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
 
 @dataclass(frozen=True)
 class SamplingRequest:
     """Options shared by chat and text completions."""
 
-    model: str
+    model: str  # "" when the body names none: the front's served model
     max_tokens: int | None = None  # None: whatever the context leaves
     temperature: float = 1.0
     top_p: float = 1.0
@@ -32,12 +39,16 @@ class SamplingRequest:
     include_usage: bool = False
     user: str | None = None
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None  # honoured only where the caller is trusted (see fronts)
 
 
 @dataclass(frozen=True)
 class ChatRequest:
     sampling: SamplingRequest
     messages: tuple[dict[str, Any], ...]
+    add_generation_prompt: bool = True
+    template_kwargs: tuple[tuple[str, Any], ...] = ()  # chat_template_kwargs, as sorted pairs
 
 
 @dataclass(frozen=True)
@@ -72,28 +83,42 @@ def _int(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int
     return value
 
 
-def _bool(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
+def _bool(body: dict[str, Any], name: str, *, default: bool = False) -> bool:
+    value = body.get(name, default)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise _bad(f"'{name}' must be a boolean", name)
     return value
 
 
-def parse_sampling(body: Any) -> SamplingRequest:
+def _token_ids(value: Any, name: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
+        raise _bad(f"'{name}' must be a list of non-negative integer token ids", name)
+    return tuple(value)
+
+
+def parse_sampling(body: Any, *, default_max_tokens: int | None = None) -> SamplingRequest:
     """The shared options of a chat or completion body; ``APIError(400)`` when invalid."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("'model' is required and must be a string", "model")
+    if model is None:
+        model = ""  # as in vLLM: the served model
+    elif not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
     n = _int(body, "n", 1)
     if n is not None and n != 1:
         raise _bad("only n=1 is supported", "n")
     max_tokens = _int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1)
+    if max_tokens is None:
+        max_tokens = default_max_tokens
     stop_raw = body.get("stop")
     if stop_raw is None:
         stop: tuple[str, ...] = ()
@@ -116,18 +141,28 @@ def parse_sampling(body: Any) -> SamplingRequest:
     if user is not None and not isinstance(user, str):
         raise _bad("'user' must be a string", "user")
     seed = _int(body, "seed", -(2**63), 2**64 - 1)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        temperature, top_p = 0.0, 1.0
+    top_k = _int(body, "top_k", -1, 2**32 - 1) or 0
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise _bad("'cache_salt' must be a string", "cache_salt")
     return SamplingRequest(
         model=model,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_int(body, "top_k", 0, 2**32 - 1) or 0,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(0, top_k),  # -1 is vLLM's "off", as 0 is here
         seed=None if seed is None else seed % 2**64,
         stop=stop,
         stream=stream,
         include_usage=include_usage,
         user=user or None,
         ignore_eos=_bool(body, "ignore_eos"),
+        stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids"),
+        cache_salt=salt or None,
     )
 
 
@@ -151,7 +186,20 @@ def _content_text(content: Any, where: str) -> str:
 def parse_chat(body: Any) -> ChatRequest:
     """A ``/v1/chat/completions`` body."""
     sampling = parse_sampling(body)
-    raw = body.get("messages")
+    messages = parse_messages(body.get("messages"))
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    return ChatRequest(
+        sampling,
+        messages,
+        add_generation_prompt=_bool(body, "add_generation_prompt", default=True),
+        template_kwargs=tuple(sorted((kwargs or {}).items())),
+    )
+
+
+def parse_messages(raw: Any) -> tuple[dict[str, Any], ...]:
+    """Chat messages as the chat template receives them: ``{"role", "content": str}``."""
     if not isinstance(raw, list) or not raw:
         raise _bad("'messages' must be a non-empty list", "messages")
     messages = []
@@ -160,18 +208,20 @@ def parse_chat(body: Any) -> ChatRequest:
         if not isinstance(msg, dict):
             raise _bad("each message must be an object", where)
         role = msg.get("role")
-        if not isinstance(role, str) or not role:
-            raise _bad("each message needs a string 'role'", f"{where}.role")
+        if role not in ROLES:
+            raise _bad(f"'role' must be one of {', '.join(sorted(ROLES))}", f"{where}.role")
         content = msg.get("content")
+        if content is None and role != "assistant":
+            raise _bad(f"a {role} message needs 'content'", f"{where}.content")
         text = "" if content is None else _content_text(content, f"{where}.content")
         # Passed to the template exactly as the worker's own front passes it, so ids match.
         messages.append({"role": role, "content": text})
-    return ChatRequest(sampling, tuple(messages))
+    return tuple(messages)
 
 
 def parse_completion(body: Any) -> CompletionRequest:
     """A ``/v1/completions`` body (one prompt: a string or a list of token ids)."""
-    sampling = parse_sampling(body)
+    sampling = parse_sampling(body, default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -186,106 +236,3 @@ def parse_completion(body: Any) -> CompletionRequest:
     ):
         return CompletionRequest(sampling, tuple(prompt))
     raise _bad("'prompt' must be a non-empty string or list of token ids (one prompt)", "prompt")
-
-
-# -- responses -------------------------------------------------------------------------
-
-
-def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-def chat_response(
-    rid: str, model: str, text: str, finish: str, usage: dict[str, Any]
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-        ],
-        "usage": usage,
-    }
-
-
-def _stream_chunk(
-    rid: str,
-    obj: str,
-    model: str,
-    created: int,
-    choice: dict[str, Any] | None,
-    usage: dict[str, Any] | None,
-    with_usage_field: bool,
-) -> dict[str, Any]:
-    """One SSE chunk; ``choice`` None makes the usage-only chunk (empty ``choices``)."""
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [] if choice is None else [choice],
-    }
-    if with_usage_field:
-        chunk["usage"] = usage
-    return chunk
-
-
-def chat_chunk(
-    rid: str,
-    model: str,
-    created: int,
-    delta: dict[str, Any] | None,
-    finish: str | None,
-    usage: dict[str, Any] | None = None,
-    with_usage_field: bool = False,
-) -> dict[str, Any]:
-    choice = (
-        None
-        if delta is None
-        else {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-    )
-    return _stream_chunk(
-        rid, "chat.completion.chunk", model, created, choice, usage, with_usage_field
-    )
-
-
-def completion_response(
-    rid: str, model: str, text: str, finish: str, usage: dict[str, Any]
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-        "usage": usage,
-    }
-
-
-def completion_chunk(
-    rid: str,
-    model: str,
-    created: int,
-    text: str | None,
-    finish: str | None,
-    usage: dict[str, Any] | None = None,
-    with_usage_field: bool = False,
-) -> dict[str, Any]:
-    choice = (
-        None
-        if text is None
-        else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    )
-    return _stream_chunk(rid, "text_completion", model, created, choice, usage, with_usage_field)

@@ -20,7 +20,6 @@ from gateway.config import GatewayConfig
 from gateway.edge import handlers
 from gateway.edge.app_keys import STATE, TENANT, GatewayState
 from gateway.edge.auth import ApiKeys
-from gateway.edge.errors import APIError, error_body
 from gateway.edge.openapi import openapi_spec
 from gateway.observe import dashboard
 from gateway.observe.metrics import GatewayMetrics
@@ -31,7 +30,9 @@ from gateway.routing.mirror import IndexMirror
 from gateway.routing.router import Router
 from gateway.routing.sessions import SessionMap
 from gateway.text.tokenizer import ChatTokenizer
-from gateway.upstream.grpc_worker import WorkerClients
+from gateway.upstream.base import Upstream
+from gateway.upstream.grpc_worker import GrpcUpstream
+from openai_api.errors import APIError, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def refresh_gauges(state: GatewayState) -> None:
             ("running", s.running),
             ("waiting", s.waiting),
             ("queued_prefill_tokens", s.queued_prefill_tokens),
-            ("free_blocks", s.free_blocks),
+            ("free_blocks", entry.record.free_blocks),
             ("inflight", s.inflight),
         ):
             m.worker_load.labels(wid, kind).set(value)
@@ -134,7 +135,8 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         for t in tasks:
             t.cancel()
         _, tasks = await asyncio.wait(tasks, timeout=1.0)
-    await state.clients.close()
+    for upstream in state.dispatcher.upstreams.values():
+        await upstream.close()
 
 
 def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -> GatewayState:
@@ -147,7 +149,9 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
             executor_min_chars=config.executor_min_chars,
         )
     index = BlockIndex()
-    clients = WorkerClients(config.grpc_tls_ca.read_bytes() if config.grpc_tls_ca else None)
+    upstreams: dict[str, Upstream] = {
+        "grpc": GrpcUpstream(config.grpc_tls_ca.read_bytes() if config.grpc_tls_ca else None),
+    }
     sessions = SessionMap(config.session_ttl_s)
     metrics = GatewayMetrics()
     stats = RollingStats()
@@ -156,7 +160,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         mirror=mirror,
         index=index,
         router=Router(config.router),
-        clients=clients,
+        upstreams=upstreams,
         sessions=sessions,
         metrics=metrics,
         stats=stats,
@@ -167,7 +171,6 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
     )
 
     def on_drop(worker_id: str) -> None:
-        clients.forget(worker_id)
         sessions.forget_worker(worker_id)
         metrics.forget_worker(worker_id)
         dispatcher.forget(worker_id)
@@ -179,7 +182,6 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         tokenizer=tokenizer,
         index=index,
         mirror=mirror,
-        clients=clients,
         sessions=sessions,
         metrics=metrics,
         stats=stats,

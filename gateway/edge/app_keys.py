@@ -18,7 +18,6 @@ from gateway.routing.index import BlockIndex
 from gateway.routing.mirror import IndexMirror
 from gateway.routing.sessions import SessionMap
 from gateway.text.tokenizer import ChatTokenizer
-from gateway.upstream.grpc_worker import WorkerClients
 
 
 @dataclass
@@ -29,7 +28,6 @@ class GatewayState:
     tokenizer: ChatTokenizer
     index: BlockIndex
     mirror: IndexMirror
-    clients: WorkerClients
     sessions: SessionMap
     metrics: GatewayMetrics
     stats: RollingStats

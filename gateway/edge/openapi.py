@@ -52,7 +52,7 @@ _SESSION = {
 _ROUTE_HEADERS = {
     "x-kvroute-worker": {"schema": {"type": "string"}, "description": "The worker that served"},
     "x-kvroute-reason": {
-        "schema": {"type": "string", "enum": ["cache", "session", "load", "fallback"]},
+        "schema": {"type": "string", "enum": ["cache", "session", "load", "fallback", "retry"]},
         "description": "Why it was chosen",
     },
 }

@@ -1,53 +1,39 @@
-"""From token ids to a running generation on the best worker.
+"""From a tokenized job to a running generation on the best worker.
 
-The read path, in order:
+The request path (``gateway.request_path``) calls these steps in order:
 
-1. Candidates: workers in the registry mirror, minus those that just failed.
-2. Hashes: the prompt's block chain under each candidate's hash spec plus the
-   tenant's salt (one chain per distinct spec; usually one).
-3. Lookup: the index's longest cached prefix per worker (speculative included).
-4. Score: ``Router.choose`` on a ``WorkerState`` per candidate.
-5. Send: the gRPC ``Generate`` call to the chosen worker; if it fails before
-   its first token, the next worker in ``Decision.ranked`` gets it.
-
-The registry's load numbers lag a heartbeat, so each worker's running/waiting
-is reduced by the requests this gateway saw finish since that heartbeat.
+- ``candidates``: workers in the registry mirror, minus those that just failed.
+- ``hash``: the prompt's block chain under each candidate's hash spec plus the
+  tenant's salt (one chain per distinct spec; usually one).
+- ``look_up``: the index's longest cached prefix per worker (speculative included).
+- ``choose``: ``Router.choose`` over each candidate's corrected load.
+- ``open``: the upstream call to the chosen worker; if it fails before its
+  first token, the next worker in ``Decision.ranked`` gets it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import grpc
-
-from contract import worker_pb2
 from contract.hashing import HashSpec
 from gateway.edge.auth import Tenant
-from gateway.edge.errors import APIError
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RequestRecord, RollingStats
 from gateway.routing.index import BlockIndex
+from gateway.routing.load import GatewayLoad, corrected_load
 from gateway.routing.mirror import IndexMirror, WorkerEntry
 from gateway.routing.router import Decision, Router, RouteRequest, WorkerState
 from gateway.routing.sessions import SessionMap
 from gateway.text.prefix_tokens import Prompt
-from gateway.upstream.grpc_worker import WorkerClients
+from gateway.upstream.base import Chunk, Generation, Upstream, UpstreamCall, UpstreamError
+from openai_api.errors import APIError
 
 logger = logging.getLogger(__name__)
 
-_RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.CANCELLED,
-}
 _FAILED_COOLDOWN_S = 2.0  # a worker that refused a call is skipped this long
-_FINISH_MEMORY_S = 30.0
+DEFAULT_TRANSPORT = "grpc"
 
 
 @dataclass(frozen=True)
@@ -56,7 +42,7 @@ class Job:
 
     request_id: str
     prompt: Prompt
-    sampling: worker_pb2.SamplingParams
+    generation: Generation
     tenant: Tenant
     session_key: str | None
     started: float  # perf_counter() when the HTTP request arrived
@@ -66,18 +52,16 @@ class Job:
         return self.prompt.ids
 
 
-@dataclass
-class Load:
-    """What this gateway itself has in flight on one worker."""
+@dataclass(frozen=True)
+class Candidates:
+    """The workers a job may go to, and the chain each would look up."""
 
-    inflight: int = 0
-    pending: int = 0  # sent, no first token yet
-    pending_prefill_tokens: int = 0
-    finished_at: deque[float] = field(default_factory=deque)  # wall clock, for lag correction
+    entries: list[WorkerEntry]
+    chains: dict[str, list[int]]  # worker id -> block hashes under its spec and salt
 
 
 class Stream:
-    """A generation that produced its first response on ``worker_id``."""
+    """A generation that produced its first chunk on ``worker_id``."""
 
     def __init__(
         self,
@@ -86,8 +70,8 @@ class Stream:
         worker_id: str,
         reason: str,
         predicted_cached: int,
-        call: grpc.aio.UnaryStreamCall,
-        first: worker_pb2.GenerateResponse,
+        call: UpstreamCall,
+        first: Chunk,
     ) -> None:
         self._d = dispatcher
         self.job = job
@@ -98,12 +82,9 @@ class Stream:
         self._call = call
         self._closed = False
 
-    async def next(self) -> worker_pb2.GenerateResponse | None:
-        """The next response, or None at the end of the stream."""
-        msg = await self._call.read()
-        if msg is grpc.aio.EOF:
-            return None
-        return msg  # type: ignore[no-any-return]
+    async def next(self) -> Chunk | None:
+        """The next chunk, or None at the end of the stream; raises ``UpstreamError``."""
+        return await self._call.read()
 
     def close(self, cached_tokens: int | None) -> None:
         """Ends the call (aborting it on the worker if still running) and records the outcome."""
@@ -115,7 +96,7 @@ class Stream:
 
 
 class Dispatcher:
-    """Routes jobs and opens their gRPC streams."""
+    """Routes jobs and opens their upstream streams."""
 
     def __init__(
         self,
@@ -123,7 +104,7 @@ class Dispatcher:
         mirror: IndexMirror,
         index: BlockIndex,
         router: Router,
-        clients: WorkerClients,
+        upstreams: dict[str, Upstream],
         sessions: SessionMap,
         metrics: GatewayMetrics,
         stats: RollingStats,
@@ -135,7 +116,7 @@ class Dispatcher:
         self.mirror = mirror
         self.index = index
         self.router = router
-        self.clients = clients
+        self.upstreams = upstreams
         self.sessions = sessions
         self.metrics = metrics
         self.stats = stats
@@ -143,7 +124,7 @@ class Dispatcher:
         self.max_queue_per_worker = max_queue_per_worker
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
-        self.loads: dict[str, Load] = {}
+        self.loads: dict[str, GatewayLoad] = {}
         self._down_until: dict[str, float] = {}
 
     # -- candidates and load ------------------------------------------------------
@@ -163,56 +144,71 @@ class Dispatcher:
         return min(lens) if lens else default
 
     def state(self, entry: WorkerEntry, cached_blocks: int) -> WorkerState:
-        """The router's view of ``entry``, corrected for finishes since its heartbeat."""
+        """The router's view of ``entry``: its heartbeat, corrected by this gateway's own view."""
         rec = entry.record
-        load = self.loads.get(rec.worker_id) or Load()
-        done = sum(1 for t in load.finished_at if t > rec.updated_at)
-        waiting = max(0, rec.waiting - done)
-        running = max(0, rec.running - max(0, done - rec.waiting))
-        queued = rec.queued_prefill_tokens if running + waiting else 0
+        load = self.loads.setdefault(rec.worker_id, GatewayLoad())
+        load.saw_record(rec.updated_at)
+        running, waiting, queued = corrected_load(
+            rec.running,
+            rec.waiting,
+            rec.queued_prefill_tokens,
+            load.finished_since_heartbeat,
+            load.pending_prefill_tokens,
+        )
         return WorkerState(
             worker_id=rec.worker_id,
             cached_blocks=cached_blocks,
             running=running,
             waiting=waiting,
-            queued_prefill_tokens=max(queued, load.pending_prefill_tokens),
+            queued_prefill_tokens=queued,
             prefill_tokens_per_s=rec.prefill_tokens_per_s,
-            free_blocks=rec.free_blocks,
-            num_blocks=rec.num_blocks,
             inflight=load.inflight,
         )
 
-    # -- routing ---------------------------------------------------------------------
+    # -- routing: candidates -> hash -> look up -> choose ---------------------------
 
-    def route(self, job: Job) -> tuple[Decision, dict[str, list[int]], list[WorkerState]]:
-        """Steps 1-4: the decision, each candidate's chain, and the states scored."""
-        candidates = self.healthy()
-        if not candidates:
+    def candidates(self) -> list[WorkerEntry]:
+        """Healthy workers, or 503 when there is none."""
+        entries = self.healthy()
+        if not entries:
             raise APIError(
                 503,
                 "no healthy worker is available",
                 code="no_workers",
                 headers={"Retry-After": "1"},
             )
-        chains: dict[HashSpec, list[int]] = {}
-        hashes_of: dict[str, list[int]] = {}
-        for e in candidates:
+        return entries
+
+    def hash(self, job: Job, entries: list[WorkerEntry]) -> Candidates:
+        """Each candidate's block chain of the prompt (computed once per distinct spec)."""
+        by_spec: dict[HashSpec, list[int]] = {}
+        chains: dict[str, list[int]] = {}
+        for e in entries:
             if e.spec is None:
-                hashes_of[e.record.worker_id] = []
+                chains[e.record.worker_id] = []
                 continue
             spec = e.spec.with_salt(job.tenant.cache_salt)
-            if spec not in chains:
-                chains[spec] = job.prompt.block_hashes(spec)
-            hashes_of[e.record.worker_id] = chains[spec]
+            if spec not in by_spec:
+                by_spec[spec] = job.prompt.block_hashes(spec)
+            chains[e.record.worker_id] = by_spec[spec]
+        return Candidates(entries, chains)
+
+    def look_up(self, cands: Candidates) -> dict[str, int]:
+        """Per worker, the leading blocks of its chain the index says it holds."""
         now = time.monotonic()
         cached: dict[str, int] = {}
-        for chain in {id(c): c for c in chains.values()}.values():
+        distinct = {id(c): c for c in cands.chains.values() if c}
+        for chain in distinct.values():
             for wid, n in self.index.longest_prefix(chain, now).items():
-                if hashes_of.get(wid) is chain:
+                if cands.chains.get(wid) is chain:
                     cached[wid] = n
-        states = [self.state(e, cached.get(e.record.worker_id, 0)) for e in candidates]
+        return cached
+
+    def choose(self, job: Job, cands: Candidates, cached: dict[str, int]) -> Decision:
+        """The router's pick (and ranked fallbacks); 429 when every queue is full."""
+        states = [self.state(e, cached.get(e.record.worker_id, 0)) for e in cands.entries]
         if self.max_queue_per_worker > 0 and all(
-            max(s.waiting, self.loads.get(s.worker_id, Load()).pending) >= self.max_queue_per_worker
+            max(s.waiting, self.loads[s.worker_id].pending) >= self.max_queue_per_worker
             for s in states
         ):
             raise APIError(
@@ -221,60 +217,54 @@ class Dispatcher:
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
-        block_size = candidates[0].spec.block_size if candidates[0].spec else 16
+        first = cands.entries[0].spec
         request = RouteRequest(
             prompt_tokens=len(job.prompt_ids),
-            block_size=block_size,
-            session_worker=self.sessions.get(job.session_key, now),
+            block_size=first.block_size if first else 16,
+            session_worker=self.sessions.get(job.session_key, time.monotonic()),
         )
-        return self.router.choose(request, states), hashes_of, states
+        return self.router.choose(request, states)
 
     # -- sending ---------------------------------------------------------------------
 
-    async def open(self, job: Job) -> Stream:
-        """Routes ``job`` and returns its stream once a worker produced a first response."""
-        decision, hashes_of, states = self.route(job)
+    async def open(
+        self, job: Job, cands: Candidates, cached: dict[str, int], decision: Decision
+    ) -> Stream:
+        """Sends ``job`` down ``decision.ranked`` until a worker produces a first chunk."""
         self.metrics.routing_seconds.observe(time.perf_counter() - job.started)
-        by_id = {s.worker_id: s for s in states}
         deadline = time.monotonic() + self.request_timeout_s
-        last_error: grpc.aio.AioRpcError | None = None
+        last_error: UpstreamError | None = None
         for attempt, wid in enumerate(decision.ranked[: 1 + self.max_retries]):
             entry = self.mirror.workers.get(wid)
             if entry is None:
                 continue
-            reason = decision.reason if attempt == 0 else "fallback"
-            predicted = min(
-                by_id[wid].cached_blocks * (entry.spec.block_size if entry.spec else 16),
-                len(job.prompt_ids),
-            )
+            reason = decision.reason if attempt == 0 else "retry"
+            block_size = entry.spec.block_size if entry.spec else 16
+            predicted = min(cached.get(wid, 0) * block_size, len(job.prompt_ids))
             now = time.monotonic()
-            self.index.speculate(wid, hashes_of.get(wid, []), now, self.speculative_ttl_s)
+            self.index.speculate(wid, cands.chains.get(wid, []), now, self.speculative_ttl_s)
             self.sessions.put(job.session_key, wid, now)
-            load = self.loads.setdefault(wid, Load())
+            load = self.loads.setdefault(wid, GatewayLoad())
             uncached = len(job.prompt_ids) - predicted
             load.inflight += 1
             load.pending += 1
             load.pending_prefill_tokens += uncached
-            request = worker_pb2.GenerateRequest(
-                request_id=job.request_id if attempt == 0 else f"{job.request_id}-{attempt}",
-                prompt_token_ids=job.prompt_ids,
-                sampling=job.sampling,
-                cache_salt=job.tenant.cache_salt,
-            )
-            stub = self.clients.stub(wid, entry.record.address)
-            call = stub.Generate(request, timeout=max(0.001, deadline - now))
+            generation = job.generation
+            if attempt:
+                generation = _retry_of(generation, attempt)
+            upstream = self.upstreams[getattr(entry.record, "transport", "") or DEFAULT_TRANSPORT]
+            call = upstream.start(wid, entry.record.address, generation, max(0.001, deadline - now))
             try:
-                first = await self._first(call)
-            except grpc.aio.AioRpcError as exc:
+                first = await _first_chunk(call)
+            except UpstreamError as exc:
                 load.inflight -= 1
-                if exc.code() not in _RETRYABLE:
-                    raise _api_error(exc) from exc
+                if not exc.retryable:
+                    raise exc.api_error from exc
                 logger.warning(
-                    "request %s: worker %s failed before its first token (%s: %s)",
+                    "request %s: worker %s failed before its first token (%s)",
                     job.request_id,
                     wid,
-                    exc.code().name,
-                    exc.details(),
+                    exc.message,
                 )
                 self._down_until[wid] = time.monotonic() + _FAILED_COOLDOWN_S
                 self.metrics.retries.labels(wid).inc()
@@ -300,7 +290,7 @@ class Dispatcher:
                 len(job.prompt_ids),
             )
             return Stream(self, job, wid, reason, predicted, call, first)
-        detail = f": {last_error.details()}" if last_error is not None else ""
+        detail = f": {last_error.message}" if last_error is not None else ""
         raise APIError(
             503,
             f"no worker could serve the request{detail}",
@@ -308,29 +298,12 @@ class Dispatcher:
             headers={"Retry-After": "1"},
         )
 
-    @staticmethod
-    async def _first(call: grpc.aio.UnaryStreamCall) -> worker_pb2.GenerateResponse:
-        while True:
-            msg = await call.read()
-            if msg is grpc.aio.EOF:
-                raise grpc.aio.AioRpcError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    grpc.aio.Metadata(),
-                    grpc.aio.Metadata(),
-                    "stream ended without a token",
-                )
-            if msg.token_ids or msg.finished:
-                return msg  # type: ignore[no-any-return]
-
     def finished(self, stream: Stream, cached_tokens: int | None) -> None:
         """Bookkeeping when a stream ends (called once, by ``Stream.close``)."""
         wid = stream.worker_id
-        load = self.loads.setdefault(wid, Load())
+        load = self.loads.setdefault(wid, GatewayLoad())
         load.inflight = max(0, load.inflight - 1)
-        wall = time.time()
-        load.finished_at.append(wall)
-        while load.finished_at and wall - load.finished_at[0] > _FINISH_MEMORY_S:
-            load.finished_at.popleft()
+        load.finished += 1
         self.metrics.e2e_seconds.labels(wid).observe(time.perf_counter() - stream.job.started)
         if cached_tokens is not None:
             self.metrics.cached_tokens.labels(wid).inc(cached_tokens)
@@ -349,18 +322,25 @@ class Dispatcher:
         """Drops per-worker state of a worker that left the registry."""
         self.loads.pop(worker_id, None)
         self._down_until.pop(worker_id, None)
+        for upstream in self.upstreams.values():
+            upstream.forget(worker_id)
 
 
-def _api_error(exc: grpc.aio.AioRpcError) -> APIError:
-    code = exc.code()
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return APIError(504, "the request timed out", code="timeout")
-    if code in (
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.OUT_OF_RANGE,
-        grpc.StatusCode.FAILED_PRECONDITION,
-    ):
-        return APIError(
-            400, f"the worker rejected the request: {exc.details()}", code="invalid_request"
-        )
-    return APIError(502, f"worker error {code.name}: {exc.details()}", code="worker_error")
+def _retry_of(g: Generation, attempt: int) -> Generation:
+    from dataclasses import replace
+
+    return replace(g, request_id=f"{g.request_id}-{attempt}")
+
+
+async def _first_chunk(call: UpstreamCall) -> Chunk:
+    """Reads until the worker produced a token (or finished); EOF before that is retryable."""
+    while True:
+        chunk = await call.read()
+        if chunk is None:
+            raise UpstreamError(
+                "stream ended without a token",
+                retryable=True,
+                api_error=APIError(502, "the worker ended the stream early", code="worker_error"),
+            )
+        if chunk.token_ids or chunk.finished:
+            return chunk

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 POLICIES = ("kvroute", "round_robin", "random", "least_loaded", "session", "prefix")
-REASONS = ("cache", "session", "load", "fallback")
+REASONS = ("cache", "session", "load", "fallback", "retry")
 
 # Predictions this close (relative) are noise in the measured prefill rates,
 # not a real difference: let affinity and load decide instead.
@@ -64,8 +64,6 @@ class WorkerState:
     waiting: int = 0
     queued_prefill_tokens: int = 0
     prefill_tokens_per_s: float = 0.0  # 0 = unknown: a default rate is assumed
-    free_blocks: int = 0
-    num_blocks: int = 0
     inflight: int = 0  # requests this gateway sent and that have not finished
 
 
@@ -83,7 +81,9 @@ class Decision:
     """The chosen worker, why, and the fallbacks in order."""
 
     worker_id: str
-    reason: str  # "cache" | "session" | "load" | "fallback"
+    # "cache" | "session" | "load" | "fallback" (no signal told workers apart); the
+    # dispatcher reports "retry" when a later worker of ``ranked`` served the request.
+    reason: str
     predicted_cached_tokens: int
     ranked: tuple[str, ...]  # every candidate, best first (for retries)
 

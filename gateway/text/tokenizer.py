@@ -47,7 +47,7 @@ def _max_model_len(model_dir: Path, tokenizer: Any) -> int:
 
 
 class ChatTokenizer:
-    """Renders, encodes and (via ``gateway.text.detokenizer``) decodes for one model."""
+    """Renders, encodes and (via ``openai_api.detokenizer``) decodes for one model."""
 
     def __init__(
         self,

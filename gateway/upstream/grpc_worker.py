@@ -1,7 +1,8 @@
-"""gRPC clients for the workers: one ``grpc.aio`` channel per worker, reused.
+"""The gRPC upstream: kvroute workers, one ``grpc.aio`` channel per worker, reused.
 
 A channel is created on first use and replaced when the worker's address
-changes; it is closed when the worker leaves the registry.
+changes; it is closed when the worker leaves the registry. gRPC statuses map
+to ``UpstreamError``s here, so nothing above this module imports grpc.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import logging
 
 import grpc
 
-from contract import worker_pb2_grpc
+from contract import worker_pb2, worker_pb2_grpc
+from gateway.upstream.base import Chunk, Generation, UpstreamError
+from openai_api.errors import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +29,84 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-class WorkerClients:
+# Failures after which another worker may well succeed.
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,
+}
+_CLIENT_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+def _upstream_error(exc: grpc.aio.AioRpcError) -> UpstreamError:
+    code = exc.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        api = APIError(504, "the request timed out", code="timeout")
+    elif code in _CLIENT_ERRORS:
+        api = APIError(
+            400, f"the worker rejected the request: {exc.details()}", code="invalid_request"
+        )
+    else:
+        api = APIError(502, f"worker error {code.name}: {exc.details()}", code="worker_error")
+    return UpstreamError(
+        f"{code.name}: {exc.details()}", retryable=code in _RETRYABLE, api_error=api
+    )
+
+
+def _request(g: Generation) -> worker_pb2.GenerateRequest:
+    sampling = worker_pb2.SamplingParams(
+        max_tokens=g.max_tokens,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=g.top_k,
+        ignore_eos=g.ignore_eos,
+        stop_token_ids=list(g.stop_token_ids),
+    )
+    if g.seed is not None:
+        sampling.seed = g.seed
+    return worker_pb2.GenerateRequest(
+        request_id=g.request_id,
+        prompt_token_ids=list(g.prompt_ids),
+        sampling=sampling,
+        cache_salt=g.cache_salt,
+    )
+
+
+class _GrpcCall:
+    """One ``Generate`` stream as ``Chunk``s."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+
+    async def read(self) -> Chunk | None:
+        try:
+            msg = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise _upstream_error(exc) from exc
+        if msg is grpc.aio.EOF:
+            return None
+        cached = None
+        if msg.HasField("usage") and (msg.usage.prompt_tokens or msg.usage.cached_tokens):
+            cached = int(msg.usage.cached_tokens)
+        return Chunk(
+            token_ids=msg.token_ids,
+            finished=msg.finished,
+            finish_reason=msg.finish_reason,
+            cached_tokens=cached,
+        )
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class GrpcUpstream:
     """Worker id -> a live stub on a channel to that worker's address."""
 
     def __init__(self, tls_ca: bytes | None = None) -> None:
@@ -49,6 +129,13 @@ class WorkerClients:
         stub = worker_pb2_grpc.WorkerStub(channel)
         self._channels[worker_id] = (address, channel, stub)
         return stub
+
+    def start(
+        self, worker_id: str, address: str, generation: Generation, timeout_s: float
+    ) -> _GrpcCall:
+        """Starts ``Generate`` on the worker; the first ``read`` waits for its first tokens."""
+        stub = self.stub(worker_id, address)
+        return _GrpcCall(stub.Generate(_request(generation), timeout=timeout_s))
 
     def forget(self, worker_id: str) -> None:
         """Closes the channel of a worker that went away (in the background)."""

@@ -19,7 +19,7 @@ async def test_chat_completion_shape_ids_and_usage(gateway: Harness) -> None:
     )
     assert resp.status == 200, await resp.text()
     assert resp.headers["x-kvroute-worker"] == "w1"
-    assert resp.headers["x-kvroute-reason"] in ("cache", "session", "load", "fallback")
+    assert resp.headers["x-kvroute-reason"] in ("cache", "session", "load", "fallback", "retry")
     body = await resp.json()
     assert body["object"] == "chat.completion" and body["model"] == MODEL
     assert body["id"].startswith("chatcmpl-")
@@ -217,7 +217,7 @@ async def test_cache_routing_and_retry_on_failure(gateway: Harness) -> None:
     resp = await gateway.chat(messages)
     assert resp.status == 200
     assert resp.headers["x-kvroute-worker"] == "b"
-    assert resp.headers["x-kvroute-reason"] == "fallback"  # a was the cache pick, it failed
+    assert resp.headers["x-kvroute-reason"] == "retry"  # a was the cache pick, it failed
     assert len(bad.requests) == 1 and len(good.requests) == 1
     metrics = await (await gateway.client.get("/metrics")).text()
     assert 'kvroute_gateway_retries_total{worker="a"} 1.0' in metrics

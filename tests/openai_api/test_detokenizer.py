@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.text.detokenizer import IncrementalDetokenizer
+from openai_api.detokenizer import Detokenizer
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def tok(smollm2: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(smollm2))
 
 
-def _stream(detok: IncrementalDetokenizer, ids: list[int], sizes: list[int]) -> list[str]:
+def _stream(detok: Detokenizer, ids: list[int], sizes: list[int]) -> list[str]:
     out, i = [], 0
     for size in sizes:
         if i >= len(ids):
@@ -35,7 +35,7 @@ def _stream(detok: IncrementalDetokenizer, ids: list[int], sizes: list[int]) -> 
 def test_emoji_split_over_tokens_comes_out_whole(tok: Any) -> None:
     ids = tok.encode("ok 🙂🙂 世界", add_special_tokens=False)
     assert any("\ufffd" in tok.decode([i]) for i in ids)  # really split across tokens
-    detok = IncrementalDetokenizer(tok, tok.encode("prompt", add_special_tokens=False))
+    detok = Detokenizer(tok, tok.encode("prompt", add_special_tokens=False))
     pieces = [detok.push([i]) for i in ids] + [detok.finish()]
     assert "".join(pieces) == "ok 🙂🙂 世界"
     assert not any("\ufffd" in p for p in pieces)
@@ -47,20 +47,20 @@ def test_emoji_split_over_tokens_comes_out_whole(tok: Any) -> None:
 @given(text=st.text(min_size=1, max_size=40), sizes=st.lists(st.integers(1, 4), max_size=30))
 def test_streamed_text_equals_full_decode(tok: Any, text: str, sizes: list[int]) -> None:
     ids = tok.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok, [1, 4093, 198])
+    detok = Detokenizer(tok, [1, 4093, 198])
     streamed = "".join(_stream(detok, ids, sizes))
     assert streamed == tok.decode(ids, skip_special_tokens=True)
 
 
 def test_special_tokens_are_skipped(tok: Any) -> None:
     ids = [*tok.encode("Hello", add_special_tokens=False), 2]  # <|im_end|>
-    detok = IncrementalDetokenizer(tok, [])
+    detok = Detokenizer(tok, [])
     assert "".join(_stream(detok, ids, [1, 1])) == "Hello"
 
 
 def test_stop_string_across_chunks_is_cut_and_held_back(tok: Any) -> None:
     ids = tok.encode("one two STOP three", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok, [], stop=["STOP", "never"])
+    detok = Detokenizer(tok, [], stop=["STOP", "never"])
     pieces = [detok.push([i]) for i in ids]
     assert "".join(pieces) == "one two "
     assert detok.stopped
@@ -71,11 +71,11 @@ def test_stop_string_across_chunks_is_cut_and_held_back(tok: Any) -> None:
 
 
 def test_earliest_stop_wins_and_partial_match_is_flushed(tok: Any) -> None:
-    detok = IncrementalDetokenizer(tok, [], stop=["b c", "a"])
+    detok = Detokenizer(tok, [], stop=["b c", "a"])
     ids = tok.encode("xx b c a", add_special_tokens=False)
     assert "".join(_stream(detok, ids, [1] * len(ids))) == "xx "
     # A tail that only looks like the start of a stop string comes out at the end.
-    detok = IncrementalDetokenizer(tok, [], stop=["END!"])
+    detok = Detokenizer(tok, [], stop=["END!"])
     ids = tok.encode("the END", add_special_tokens=False)
     pieces = [detok.push([i]) for i in ids]
     assert "".join(pieces) == "the "
@@ -84,6 +84,47 @@ def test_earliest_stop_wins_and_partial_match_is_flushed(tok: Any) -> None:
 
 
 def test_stop_at_start_gives_empty_text(tok: Any) -> None:
-    detok = IncrementalDetokenizer(tok, [], stop=["Hi"])
+    detok = Detokenizer(tok, [], stop=["Hi"])
     assert detok.push(tok.encode("Hi there", add_special_tokens=False)) == ""
     assert detok.stopped and detok.output_text == ""
+
+
+def test_stop_string_cuts_and_never_leaks_a_prefix(tok) -> None:
+    ids = tok.encode("hello world, goodbye", add_special_tokens=False)
+    detok = Detokenizer(tok, stop=["o world", "zz"])
+    out = []
+    for i in ids:
+        out.append(detok.push([i]))
+        if detok.stopped:
+            break
+    assert detok.stopped and "".join(out) == "hell" == detok.output_text
+    assert detok.push([ids[-1]]) == "" and detok.finish() == ""
+
+
+def test_overlapping_stop_prefixes_match_where_kmp_must_fall_back(tok) -> None:
+    # "aab" inside "aaab": a naive matcher that resets on mismatch misses it.
+    detok = Detokenizer(tok, stop=["aab"])
+    assert detok.push(tok.encode("xaaab tail", add_special_tokens=False)) == "xa"
+    assert detok.stopped
+
+
+def test_earliest_completed_stop_wins_and_releases_a_longer_pending_one(tok) -> None:
+    detok = Detokenizer(tok, stop=["abcdef", "cd"])
+    assert detok.push(tok.encode("abcdef", add_special_tokens=False)) == "ab"
+    assert detok.stopped
+
+
+def test_long_stop_strings_cost_linear_time(tok) -> None:
+    import time
+
+    stops = ["x" * 30_000 + "!", "y" * 30_000]
+    ids = tok.encode("x" * 4000, add_special_tokens=False)
+    detok = Detokenizer(tok, stop=stops)
+    started = time.process_time()
+    for i in ids:
+        detok.push([i])
+    elapsed = time.process_time() - started
+    assert detok.output_text == ""  # every x could still become the first stop string
+    assert detok.finish() == "x" * 4000
+    # Quadratic matching took seconds here; linear takes milliseconds.
+    assert elapsed < 1.0

@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from contract import worker_pb2 as pb
 from contract import worker_pb2_grpc
 from contract.hashing import HashSpec
-from contract.redis_layout import RedisLayout, WorkerRecord
+from contract.redis_layout import RedisLayout, WorkerRecord, decode_block_set
 from tests.support import RedisProcess, free_port, wait_until
 from worker.engine.core import Engine, EngineConfig
 from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
@@ -143,7 +143,7 @@ class Stack:
         return [chunk async for chunk in self.stub.Generate(request)]
 
     async def redis_set(self) -> set[int]:
-        return {int(m) for m in await self.redis.smembers(self.layout.blocks(self.worker_id))}
+        return set(decode_block_set(await self.redis.hvals(self.layout.blocks(self.worker_id))))
 
     async def wait_set_matches_pool(self, timeout: float = 5.0) -> set[int]:
         deadline = time.monotonic() + timeout
@@ -488,7 +488,7 @@ async def test_tokenize_render_and_helper_endpoints(stack: Stack) -> None:
         ("/v1/completions", {"prompt": ""}, "prompt"),
         ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
         ("/v1/completions", {"prompt": [1, 10**7]}, None),
-        ("/v1/completions", {"prompt": "x", "top_p": 2}, None),
+        ("/v1/completions", {"prompt": "x", "top_p": 2}, "top_p"),
     ],
 )
 async def test_bad_http_input_is_an_openai_shaped_400(
@@ -696,7 +696,7 @@ def test_kvroute_worker_command_serves_registers_and_deregisters_on_sigterm(
             assert pinned and float(pinned.group(1)) >= 3  # ~70-token system message
 
         asyncio.run(talk())
-        assert {int(m) for m in client.smembers(layout.blocks(worker_id))}
+        assert decode_block_set(client.hvals(layout.blocks(worker_id)))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         assert (

@@ -9,9 +9,12 @@ a tokenizer from the worker.
 
 Text goes through the model folder's own tokenizer and chat template
 (``apply_chat_template(add_generation_prompt=True)``), tokenized off the event
-loop; request bodies are parsed in ``worker.serve.openai_protocol`` and output text
-is assembled by ``worker.serve.text_stream`` (incremental, stop strings). A client
-that disconnects cancels its handler, which aborts the engine request.
+loop. Request bodies are parsed by ``openai_api.requests`` — the same parser as
+the gateway's — and output text is assembled by ``openai_api.detokenizer``
+(incremental, stop strings). A client that disconnects cancels its handler,
+which aborts the engine request. ``cache_salt`` from a body is honoured only
+when the worker runs with ``trust_body_salt`` (a deployment where only trusted
+routers reach this port); otherwise every caller shares the unsalted cache.
 """
 
 from __future__ import annotations
@@ -20,25 +23,26 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from worker.engine.core import EngineError
-from worker.serve.metrics import CONTENT_TYPE, WorkerMetrics
-from worker.serve.openai_protocol import (
-    BadRequest,
-    Job,
-    build_job,
-    chat_prompt,
-    completion_prompt,
-    int_list,
-    render_chat_text,
-    usage_body,
+from openai_api.detokenizer import Detokenizer
+from openai_api.errors import APIError
+from openai_api.requests import (
+    ChatRequest,
+    SamplingRequest,
+    parse_chat,
+    parse_completion,
+    parse_messages,
 )
-from worker.serve.text_stream import TextStream
+from openai_api.responses import usage_dict
+from worker.engine.core import EngineError
+from worker.engine.sequence import SamplingParams
+from worker.serve.metrics import CONTENT_TYPE, WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ class FrontInfo:
     model_name: str
     worker_id: str
     max_model_len: int
+    trust_body_salt: bool = False
 
 
 # The engine and tokenizer are duck-typed (worker.engine.core.Engine, a transformers tokenizer).
@@ -60,18 +65,19 @@ INFO = web.AppKey("info", FrontInfo)
 
 
 def error_response(message: str, status: int = 400, param: str | None = None) -> web.Response:
-    kinds = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
-    kind = kinds.get(status, "internal_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return web.json_response(body, status=status)
+    return _error(APIError(status, message, param=param))
+
+
+def _error(exc: APIError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
 
 
 @web.middleware
 async def _errors(request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
     try:
         return await handler(request)
-    except BadRequest as exc:
-        return error_response(str(exc), exc.status, exc.param)
+    except APIError as exc:
+        return _error(exc)
     except EngineError as exc:
         logger.error("request to %s failed: %s", request.path, exc)
         return error_response(str(exc), 500)
@@ -81,14 +87,20 @@ async def _errors(request: web.Request, handler: Callable[..., Any]) -> web.Stre
 
 
 def create_app(
-    engine: Any, tokenizer: Any, *, model_name: str, worker_id: str, metrics: WorkerMetrics
+    engine: Any,
+    tokenizer: Any,
+    *,
+    model_name: str,
+    worker_id: str,
+    metrics: WorkerMetrics,
+    trust_body_salt: bool = False,
 ) -> web.Application:
     """The aiohttp application; all state lives under typed ``AppKey``s."""
     app = web.Application(middlewares=[_errors], client_max_size=64 << 20)
     app[ENGINE] = engine
     app[TOKENIZER] = tokenizer
     app[METRICS] = metrics
-    app[INFO] = FrontInfo(model_name, worker_id, int(engine.max_model_len))
+    app[INFO] = FrontInfo(model_name, worker_id, int(engine.max_model_len), trust_body_salt)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions/render", render_completion)
@@ -119,35 +131,126 @@ async def start_http_server(
 # --- request parsing ------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Job:
+    """One parsed generation request, its prompt tokenized."""
+
+    kind: str  # "chat" | "completion"
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    cache_salt: str
+
+
 async def _json_body(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+        raise APIError(400, f"invalid JSON body: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    model = body.get("model")
-    served = request.app[INFO].model_name
-    if model not in (None, "", served):
-        raise BadRequest(
-            f"the model {model!r} does not exist (this worker serves {served!r})",
-            param="model",
-            status=404,
-        )
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     return body
+
+
+def _check_model(request: web.Request, model: str) -> None:
+    served = request.app[INFO].model_name
+    if model and model != served:
+        raise APIError(
+            404,
+            f"the model '{model}' does not exist; this worker serves '{served}'",
+            param="model",
+            code="model_not_found",
+        )
 
 
 async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
+def _render(tokenizer: Any, req: ChatRequest | tuple[dict[str, Any], ...]) -> str:
+    """The prompt text the model sees: the folder's chat template over the messages."""
+    if isinstance(req, ChatRequest):
+        messages, add_gen, kwargs = (
+            req.messages,
+            req.add_generation_prompt,
+            dict(req.template_kwargs),
+        )
+    else:
+        messages, add_gen, kwargs = req, True, {}
+    try:
+        return str(
+            tokenizer.apply_chat_template(
+                [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_gen, **kwargs
+            )
+        )
+    except Exception as exc:  # jinja2 raises TemplateError or anything a template raises
+        raise APIError(
+            400, f"the chat template rejected the messages: {exc}", param="messages"
+        ) from exc
+
+
+def _encode_chat(tokenizer: Any, req: ChatRequest | tuple[dict[str, Any], ...]) -> list[int]:
+    # The template already wrote the special tokens; do not add a second BOS.
+    return list(tokenizer.encode(_render(tokenizer, req), add_special_tokens=False))
+
+
+def _engine_params(s: SamplingRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
+    if prompt_len >= max_model_len:
+        raise APIError(
+            400,
+            f"the prompt has {prompt_len} tokens; this model's context is {max_model_len}",
+            code="context_length_exceeded",
+        )
+    # Unset means "as much as fits": the engine rejects prompt + max_tokens > context.
+    max_tokens = s.max_tokens if s.max_tokens is not None else max_model_len - prompt_len
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop_token_ids=s.stop_token_ids,
+        ignore_eos=s.ignore_eos,
+    )
+
+
 async def _parse_job(request: web.Request, kind: str) -> Job:
     body = await _json_body(request)
     tokenizer = request.app[TOKENIZER]
-    to_ids = chat_prompt if kind == "chat" else completion_prompt
-    prompt_ids = await _off_loop(to_ids, body, tokenizer)
+    if kind == "chat":
+        chat = parse_chat(body)
+        sampling = chat.sampling
+        _check_model(request, sampling.model)
+        prompt_ids = await _off_loop(_encode_chat, tokenizer, chat)
+    else:
+        completion = parse_completion(body)
+        sampling = completion.sampling
+        _check_model(request, sampling.model)
+        if isinstance(completion.prompt, str):
+            prompt_ids = await _off_loop(
+                lambda: list(tokenizer.encode(completion.prompt, add_special_tokens=True))
+            )
+        else:
+            prompt_ids = list(completion.prompt)
     info = request.app[INFO]
-    return build_job(body, kind, prompt_ids, info.max_model_len, request.app[ENGINE].vocab_size)
+    params = _engine_params(sampling, len(prompt_ids), info.max_model_len)
+    try:
+        params.validate(request.app[ENGINE].vocab_size)
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from exc
+    return Job(
+        kind=kind,
+        request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex,
+        prompt_ids=prompt_ids,
+        params=params,
+        stop=sampling.stop,
+        stream=sampling.stream,
+        include_usage=sampling.include_usage,
+        cache_salt=(sampling.cache_salt or "") if info.trust_body_salt else "",
+    )
 
 
 # --- generation -----------------------------------------------------------------------------
@@ -159,7 +262,7 @@ class _Run:
     def __init__(self, request: web.Request, job: Job) -> None:
         self.engine = request.app[ENGINE]
         self.job = job
-        self.text = TextStream(request.app[TOKENIZER], job.stop)
+        self.text = Detokenizer(request.app[TOKENIZER], job.prompt_ids, job.stop)
         self.finish_reason: str | None = None
         self.prompt_tokens = len(job.prompt_ids)
         self.cached_tokens = 0
@@ -182,7 +285,7 @@ class _Run:
                     self.finish_reason = "stop"
                 elif out.finished:
                     self.finish_reason = out.finish_reason or "stop"
-                    delta += self.text.flush()
+                    delta += self.text.finish()
                 if delta:
                     yield delta
                 if self.finish_reason is not None:
@@ -190,7 +293,7 @@ class _Run:
         except ValueError as exc:
             if self.completion_tokens:
                 raise
-            raise BadRequest(str(exc)) from exc
+            raise APIError(400, str(exc), code="invalid_value") from exc
         finally:
             # Stopped by a stop string, cancelled (client gone) or failed: free the blocks.
             if self.finish_reason is None or self.text.stopped:
@@ -200,7 +303,7 @@ class _Run:
                 self.engine.abort(self.job.request_id)
 
     def usage_body(self) -> dict[str, Any]:
-        return usage_body(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        return usage_dict(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
 
 def _choice(
@@ -305,16 +408,33 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def render_completion(request: web.Request) -> web.Response:
     body = await _json_body(request)
-    ids = await _off_loop(completion_prompt, body, request.app[TOKENIZER])
+    completion = parse_completion(body)
+    _check_model(request, completion.sampling.model)
+    prompt = completion.prompt
+    if isinstance(prompt, str):
+        tokenizer = request.app[TOKENIZER]
+        ids = await _off_loop(lambda: list(tokenizer.encode(prompt, add_special_tokens=True)))
+    else:
+        ids = list(prompt)
     return web.json_response({"token_ids": ids})
 
 
 async def render_chat(request: web.Request) -> web.Response:
     body = await _json_body(request)
+    chat = parse_chat(body)
+    _check_model(request, chat.sampling.model)
     tokenizer = request.app[TOKENIZER]
-    text = await _off_loop(render_chat_text, body, tokenizer)
+    text = await _off_loop(_render, tokenizer, chat)
     ids = await _off_loop(lambda: list(tokenizer.encode(text, add_special_tokens=False)))
     return web.json_response({"token_ids": ids, "prompt": text})
+
+
+def _int_list(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
+        raise APIError(400, f"'{what}' must be a list of non-negative token ids", param=what)
+    return value
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -322,11 +442,11 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await _json_body(request)
     tokenizer = request.app[TOKENIZER]
     if "messages" in body:
-        ids = await _off_loop(chat_prompt, body, tokenizer)
+        ids = await _off_loop(_encode_chat, tokenizer, parse_messages(body["messages"]))
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
-            raise BadRequest("prompt must be a string", param="prompt")
+            raise APIError(400, "'prompt' must be a string", param="prompt")
         add_special = body.get("add_special_tokens", True) is not False
         ids = await _off_loop(
             lambda: list(tokenizer.encode(prompt, add_special_tokens=add_special))
@@ -344,9 +464,9 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     body = await _json_body(request)
     key = "tokens" if "tokens" in body else "token_ids"
-    ids = int_list(body.get(key), key)
+    ids = _int_list(body.get(key), key)
     if ids and max(ids) >= request.app[ENGINE].vocab_size:
-        raise BadRequest("token id outside the vocabulary", param=key)
+        raise APIError(400, "a token id is outside the vocabulary", param=key)
     text = await _off_loop(lambda: request.app[TOKENIZER].decode(ids))
     return web.json_response({"prompt": text})
 

@@ -1,0 +1,178 @@
+"""A request's path through the gateway, top to bottom, in one function.
+
+``serve`` runs these steps, each a call into the room that owns it:
+
+1. parse      ``openai_api.requests``: the body, validated (400s name the field)
+2. tenant     ``gateway.edge.auth``: set by the auth middleware (API key -> tenant + salt)
+3. tokenize   ``gateway.text``: chat template and encoding, reusing cached prefixes
+4. limits     the context window of the workers (400 ``context_length_exceeded``)
+5. hash       ``gateway.routing.dispatch``: the block chain per worker hash spec
+6. look up    ``gateway.routing.index``: each worker's longest cached prefix
+7. choose     ``gateway.routing.router``: lowest predicted time to first token
+8. open       ``gateway.upstream``: the worker's stream, retried elsewhere before
+              its first token
+9. relay      ``gateway.edge.relay``: text to the client as JSON or server-sent events
+
+After a chat answer went out, the history plus the answer is tokenized off the
+request's path, because the client's next turn resends exactly that.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from gateway.edge.app_keys import STATE, TENANT, GatewayState
+from gateway.edge.auth import ANONYMOUS, Tenant
+from gateway.edge.relay import Relay
+from gateway.routing.dispatch import Job
+from gateway.text.prefix_tokens import Prompt
+from gateway.upstream.base import Generation
+from openai_api.errors import APIError
+from openai_api.requests import (
+    ChatRequest,
+    CompletionRequest,
+    SamplingRequest,
+    parse_chat,
+    parse_completion,
+)
+
+SESSION_HEADER = "X-Session-ID"
+
+
+async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
+    """``/v1/chat/completions`` (``chat``) or ``/v1/completions``, steps 1-9."""
+    started = time.perf_counter()
+    state = request.app[STATE]
+    # 1. parse
+    body = await read_json(request)
+    req: ChatRequest | CompletionRequest = parse_chat(body) if chat else parse_completion(body)
+    s = req.sampling
+    check_model(state, s.model)
+    # 2. tenant
+    tenant = request.get(TENANT, ANONYMOUS)
+    # 3. tokenize
+    prompt = await tokenize(state, req)
+    # 4. limits
+    max_tokens = fit_context(state, s, prompt, chat)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    job = Job(
+        request_id=rid,
+        prompt=prompt,
+        generation=generation(rid, prompt, s, max_tokens, tenant),
+        tenant=tenant,
+        session_key=session_key(request, s, tenant),
+        started=started,
+    )
+    d = state.dispatcher
+    # 5. hash
+    candidates = d.hash(job, d.candidates())
+    # 6. look up
+    cached = d.look_up(candidates)
+    # 7. choose
+    decision = d.choose(job, candidates, cached)
+    # 8. open
+    stream = await d.open(job, candidates, cached, decision)
+    # 9. relay
+    relay = Relay(state.tokenizer.tokenizer, state.config.model_name, stream, s, chat)
+    try:
+        resp = await (relay.sse(request) if s.stream else relay.json_body())
+    finally:
+        stream.close(relay.cached_tokens)
+    if isinstance(req, ChatRequest):
+        state.spawn(state.tokenizer.remember_answer(req.messages, relay.detok.output_text))
+    return resp
+
+
+async def read_json(request: web.Request) -> Any:
+    """The decoded JSON body; 413 past the size limit, 400 when not JSON."""
+    raw = await request.read()  # aiohttp raises 413 past client_max_size
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"invalid JSON body: {exc}", code="invalid_json") from exc
+
+
+def check_model(state: GatewayState, model: str) -> None:
+    if model and model != state.config.model_name:
+        raise APIError(
+            404,
+            f"the model '{model}' does not exist; this gateway serves '{state.config.model_name}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+async def tokenize(state: GatewayState, req: ChatRequest | CompletionRequest) -> Prompt:
+    """Token ids exactly as the workers compute them (chat template for chat)."""
+    tok = state.tokenizer
+    if isinstance(req, ChatRequest):
+        try:
+            text = tok.render(
+                req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                **dict(req.template_kwargs),
+            )
+        except Exception as exc:  # jinja raises its own errors for templates that reject input
+            raise APIError(
+                400, f"the chat template rejected the messages: {exc}", param="messages"
+            ) from exc
+        return await tok.aencode_rendered(text)
+    if isinstance(req.prompt, str):
+        return await tok.aencode_prompt(req.prompt)
+    prompt = Prompt(list(req.prompt))
+    if max(prompt.ids) >= tok.vocab_size:
+        raise APIError(400, "a prompt token id is outside the vocabulary", param="prompt")
+    return prompt
+
+
+def fit_context(state: GatewayState, s: SamplingRequest, prompt: Prompt, chat: bool) -> int:
+    """``max_tokens`` for the request (unset: what the context leaves), or 400."""
+    n = len(prompt.ids)
+    if not n:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    limit = state.dispatcher.max_model_len(state.tokenizer.max_model_len)
+    if n >= limit:
+        raise APIError(
+            400,
+            f"the prompt has {n} tokens; this model's context is {limit}",
+            param="messages" if chat else "prompt",
+            code="context_length_exceeded",
+        )
+    max_tokens = s.max_tokens if s.max_tokens is not None else limit - n
+    if n + max_tokens > limit:
+        raise APIError(
+            400,
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
+            f"the context of {limit} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def generation(
+    rid: str, prompt: Prompt, s: SamplingRequest, max_tokens: int, tenant: Tenant
+) -> Generation:
+    # The tenant's salt always wins: a body's ``cache_salt`` never reaches a worker from here.
+    return Generation(
+        request_id=rid,
+        prompt_ids=prompt.ids,
+        max_tokens=max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        ignore_eos=s.ignore_eos,
+        stop_token_ids=s.stop_token_ids,
+        cache_salt=tenant.cache_salt,
+    )
+
+
+def session_key(request: web.Request, s: SamplingRequest, tenant: Tenant) -> str | None:
+    key = request.headers.get(SESSION_HEADER) or s.user
+    return f"{tenant.name}\x00{key}" if key else None

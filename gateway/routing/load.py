@@ -1,0 +1,49 @@
+"""A worker's load as the router should see it: the last heartbeat, corrected.
+
+The registry's numbers lag a heartbeat. Requests this gateway saw finish since
+it last saw the worker's record are taken off (first from the waiting queue —
+a finish frees a slot that a waiting request takes — then from running), and
+the queued prefill work is at least what this gateway itself sent and the
+worker has not yet started. The fleet simulator calls the same function, so
+simulated and production routing see load the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class GatewayLoad:
+    """What this gateway itself has in flight on one worker, and finishes since its heartbeat."""
+
+    inflight: int = 0
+    pending: int = 0  # sent, no first token yet
+    pending_prefill_tokens: int = 0
+    finished: int = 0  # total finishes this gateway saw on the worker
+    finished_at_heartbeat: int = 0  # ``finished`` when the current record arrived
+    heartbeat: float | None = None  # the record's own ``updated_at``, compared only to itself
+
+    def saw_record(self, updated_at: float) -> None:
+        """Notes the worker's current record; finishes before it are in its numbers."""
+        if updated_at != self.heartbeat:
+            self.heartbeat = updated_at
+            self.finished_at_heartbeat = self.finished
+
+    @property
+    def finished_since_heartbeat(self) -> int:
+        return self.finished - self.finished_at_heartbeat
+
+
+def corrected_load(
+    running: int,
+    waiting: int,
+    queued_prefill_tokens: int,
+    finished_since: int,
+    pending_prefill: int,
+) -> tuple[int, int, int]:
+    """(running, waiting, queued prefill tokens) after the finishes the heartbeat missed."""
+    new_waiting = max(0, waiting - finished_since)
+    new_running = max(0, running - max(0, finished_since - waiting))
+    queued = queued_prefill_tokens if new_running + new_waiting else 0
+    return new_running, new_waiting, max(queued, pending_prefill)

@@ -1,0 +1,77 @@
+"""The seam between the dispatcher and a worker, whatever its transport.
+
+A worker is reached over gRPC (kvroute's engine) or OpenAI HTTP (vLLM); the
+registry record says which. Either way the gateway sends the token ids it
+computed and reads back ``Chunk``s of new token ids, so routing, retries and
+the relay to the client never look at a transport. Transport failures become
+``UpstreamError``: ``retryable`` failures before the first token send the
+request to the next worker; after it they end the stream in-band.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from openai_api.errors import APIError
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one worker is asked to do: continue ``prompt_ids`` under these options."""
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    ignore_eos: bool
+    stop_token_ids: tuple[int, ...]
+    cache_salt: str
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New token ids from the worker; the last one has ``finished`` set."""
+
+    token_ids: Sequence[int]
+    finished: bool = False
+    finish_reason: str = ""
+    cached_tokens: int | None = None  # prompt tokens the worker served from cache, once known
+
+
+class UpstreamError(Exception):
+    """A transport failure; ``api_error`` is what the client sees if nothing else can serve."""
+
+    def __init__(self, message: str, *, retryable: bool, api_error: APIError) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retryable = retryable
+        self.api_error = api_error
+
+
+class UpstreamCall(Protocol):
+    """One running generation on one worker."""
+
+    async def read(self) -> Chunk | None:
+        """The next chunk, or None at the end of the stream; raises ``UpstreamError``."""
+        ...
+
+    def cancel(self) -> None:
+        """Ends the call; a running generation is aborted on the worker."""
+        ...
+
+
+class Upstream(Protocol):
+    """Starts generations on the workers of one transport."""
+
+    def start(
+        self, worker_id: str, address: str, generation: Generation, timeout_s: float
+    ) -> UpstreamCall: ...
+
+    def forget(self, worker_id: str) -> None: ...
+
+    async def close(self) -> None: ...

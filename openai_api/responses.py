@@ -1,0 +1,106 @@
+"""OpenAI response bodies and stream chunks, as every kvroute HTTP front sends them."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def chat_response(
+    rid: str, model: str, text: str, finish: str, usage: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        ],
+        "usage": usage,
+    }
+
+
+def _stream_chunk(
+    rid: str,
+    obj: str,
+    model: str,
+    created: int,
+    choice: dict[str, Any] | None,
+    usage: dict[str, Any] | None,
+    with_usage_field: bool,
+) -> dict[str, Any]:
+    """One SSE chunk; ``choice`` None makes the usage-only chunk (empty ``choices``)."""
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [] if choice is None else [choice],
+    }
+    if with_usage_field:
+        chunk["usage"] = usage
+    return chunk
+
+
+def chat_chunk(
+    rid: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any] | None,
+    finish: str | None,
+    usage: dict[str, Any] | None = None,
+    with_usage_field: bool = False,
+) -> dict[str, Any]:
+    choice = (
+        None
+        if delta is None
+        else {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    )
+    return _stream_chunk(
+        rid, "chat.completion.chunk", model, created, choice, usage, with_usage_field
+    )
+
+
+def completion_response(
+    rid: str, model: str, text: str, finish: str, usage: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "usage": usage,
+    }
+
+
+def completion_chunk(
+    rid: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish: str | None,
+    usage: dict[str, Any] | None = None,
+    with_usage_field: bool = False,
+) -> dict[str, Any]:
+    choice = (
+        None
+        if text is None
+        else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    )
+    return _stream_chunk(rid, "text_completion", model, created, choice, usage, with_usage_field)
