@@ -2,6 +2,7 @@
 
     kvroute gateway --help   the OpenAI-compatible, cache-aware gateway
     kvroute worker --help    a paged-KV prefix-caching inference worker
+    kvroute bridge --help    a vLLM worker in the fleet, from vLLM's KV events
     kvroute up --help        a local fleet (Redis, workers, gateway) in one command
 
 Each subcommand's module is imported only when chosen, so ``kvroute gateway``
@@ -16,6 +17,7 @@ import sys
 SUBCOMMANDS = {
     "gateway": ("gateway.cli", "the OpenAI-compatible, cache-aware routing gateway"),
     "worker": ("worker.serve.cli", "a paged-KV prefix-caching inference worker"),
+    "bridge": ("worker.bridge.cli", "joins a vLLM worker to the fleet from vLLM's own KV events"),
     "up": ("loadtest.up", "a local fleet: Redis, N workers and the gateway"),
 }
 

@@ -22,6 +22,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 
 DEFAULT_NAMESPACE = "kvroute"
+TRANSPORT_GRPC = "grpc"
+TRANSPORT_OPENAI_HTTP = "openai-http"
+TRANSPORTS = (TRANSPORT_GRPC, TRANSPORT_OPENAI_HTTP)
 EVENT_FIELD = "b"
 STREAM_MAXLEN = 10_000
 
@@ -55,7 +58,7 @@ class WorkerRecord:
     """A worker's registry entry: identity, capacity and current load."""
 
     worker_id: str
-    address: str  # gRPC host:port
+    address: str  # how the gateway reaches it: gRPC host:port, or the base URL for openai-http
     http_address: str = ""  # OpenAI-compatible HTTP front host:port
     model: str = ""
     hash_spec: dict[str, str | int] = field(default_factory=dict)
@@ -70,6 +73,10 @@ class WorkerRecord:
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     updated_at: float = 0.0
+    # Added with the vLLM bridge; records written before decode with these defaults.
+    transport: str = TRANSPORT_GRPC  # "grpc" (kvroute's engine) | "openai-http" (vLLM)
+    http_url: str = ""  # base URL of an openai-http worker's API, e.g. http://10.0.0.5:8000
+    tokenizer_fingerprint: str = ""  # contract.tokenizer_probe.fingerprint; "" = not checked
 
     def to_mapping(self) -> dict[str, str]:
         """Flat string values for ``HSET``."""
@@ -99,6 +106,9 @@ class WorkerRecord:
                     kwargs[f.name] = float(value)
                 else:
                     kwargs[f.name] = value
-            return cls(**kwargs)  # type: ignore[arg-type]
+            record = cls(**kwargs)  # type: ignore[arg-type]
         except (TypeError, ValueError) as exc:
             raise ValueError(f"malformed worker record: {exc}") from exc
+        if record.transport not in TRANSPORTS:
+            raise ValueError(f"malformed worker record: unknown transport {record.transport!r}")
+        return record
