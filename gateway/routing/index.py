@@ -59,6 +59,29 @@ class IndexStats:
     dead_ordinals: int  # cleared/dropped worker generations not yet swept
 
 
+class StagedSet:
+    """A worker's block set being loaded: ``add`` slices, then ``commit`` (or ``abort``)."""
+
+    def __init__(self, index: BlockIndex, worker_id: str, ordinal: int) -> None:
+        self.index, self.worker_id, self.ordinal = index, worker_id, ordinal
+        self.done = False
+
+    def add(self, hashes: Iterable[int]) -> None:
+        self.index._add(self.ordinal, hashes)
+
+    def commit(self) -> None:
+        """Makes the staged set the worker's blocks, atomically for lookups."""
+        if not self.done:
+            self.done = True
+            self.index._commit(self)
+
+    def abort(self) -> None:
+        """Discards the staged set (the worker went away or a newer load began)."""
+        if not self.done:
+            self.done = True
+            self.index._abort(self)
+
+
 class _Shard:
     """One open-addressing table: key, holder and last-use tick per slot."""
 
@@ -160,6 +183,7 @@ class BlockIndex:
         self._sweep_at = 0  # next shard the sweep visits
         self._known: set[str] = set()  # workers with real entries (or a clear) on record
         self._live_bits = 0  # bitset of ordinals that name a worker
+        self._staging_bits = 0  # ordinals being filled by ``stage`` (invisible to lookups)
         self._entries = 0
         self._evictions = 0
         self._tick = 1
@@ -202,7 +226,9 @@ class BlockIndex:
     def add(self, worker_id: str, hashes: Iterable[int]) -> None:
         """Records that ``worker_id`` now holds ``hashes`` (idempotent)."""
         self._known.add(worker_id)
-        o = self._ordinal(worker_id)
+        self._add(self._ordinal(worker_id), hashes)
+
+    def _add(self, o: int, hashes: Iterable[int]) -> None:
         bit = 1 << o
         self._tick = tick = (self._tick + 1) & 0xFFFFFFFF
         names, shards = self._names, self._shards
@@ -272,7 +298,7 @@ class BlockIndex:
 
     def _set_bits(self, shard: _Shard, i: int, h: int, bits: int) -> None:
         """Stores a shared slot's new holders, demoting it to one ordinal or none."""
-        bits &= self._live_mask()
+        bits &= self._live_mask() | self._staging_bits
         if bits & (bits - 1):
             shard.shared[h] = bits
             return
@@ -292,6 +318,33 @@ class BlockIndex:
         """Sets ``worker_id``'s blocks to exactly ``hashes`` (a reload from its Redis set)."""
         self.clear(worker_id)
         self.add(worker_id, hashes)
+
+    def stage(self, worker_id: str) -> StagedSet:
+        """Starts a reload of ``worker_id`` that lookups do not see until ``commit``.
+
+        The mirror fills it in slices between awaits, so a 100k-block reload
+        never stalls the loop, and routing keeps the worker's old blocks until
+        the new ones are complete.
+        """
+        o = self._ordinal(f"\0staging:{worker_id}:{self._spec_n}:{len(self._names)}")
+        self._live_bits &= ~(1 << o)
+        self._staging_bits |= 1 << o
+        return StagedSet(self, worker_id, o)
+
+    def _commit(self, staged: StagedSet) -> None:
+        o = staged.ordinal
+        self._staging_bits &= ~(1 << o)
+        del self._ord[self._names[o]]  # type: ignore[arg-type]
+        self._retire(staged.worker_id)
+        self._names[o] = staged.worker_id
+        self._ord[staged.worker_id] = o
+        self._live_bits |= 1 << o
+        self._known.add(staged.worker_id)
+
+    def _abort(self, staged: StagedSet) -> None:
+        self._staging_bits &= ~(1 << staged.ordinal)
+        self._live_bits |= 1 << staged.ordinal
+        self._retire(self._names[staged.ordinal])  # type: ignore[arg-type]
 
     def drop(self, worker_id: str) -> None:
         """Forgets ``worker_id`` entirely, speculative entries included (it died)."""
@@ -510,7 +563,7 @@ class BlockIndex:
                     gone += 1
             else:
                 h = int(keys[i])
-                bits = shard.shared.pop(h) & self._live_mask()
+                bits = shard.shared.pop(h) & (self._live_mask() | self._staging_bits)
                 while bits:
                     low = bits & -bits
                     o = low.bit_length() - 1

@@ -1,17 +1,30 @@
 """Keeps the gateway's ``BlockIndex`` and worker list in step with Redis.
 
-Three duties, all on the event loop:
+Four duties, all on the event loop, none of which waits on another:
 
-1. Discovery: every ``poll_s`` read the members of ``layout.workers`` and
-   ``HGETALL`` each registry key. A missing key is a dead worker: it and all
-   its blocks leave the index. A new worker (or a new epoch) is loaded.
-2. Load: read a worker's block set and its stream's last entry in one MULTI,
-   so the snapshot and the stream position agree, then replace its blocks.
+1. Discovery: every ``poll_s`` read the directory and every registry hash in
+   one pipelined round trip. A missing key is a dead worker: it and all its
+   blocks leave the index. A new worker (or a new epoch) is queued for a load.
+2. Load (its own task): for up to ``_LOAD_BATCH`` queued workers per round
+   trip, read each stream's last entry and *then* its block set. Events are
+   idempotent set operations, so replaying the stream from that entry onto a
+   set that may already include later events converges to the same set. The
+   set is staged into the index in slices between awaits and swapped in at
+   once (``BlockIndex.stage``): a 100k-block reload never stalls the loop,
+   and lookups keep the old blocks until the new ones are complete.
 3. Tail: ``XREAD BLOCK`` every loaded worker's stream from its last id and
-   apply the batches. A new epoch or a ``seq`` gap reloads that worker.
+   apply the batches. A new epoch or a ``seq`` gap queues that worker for a
+   reload; the others' tail goes on.
+4. Upkeep: expire speculative entries, sweep cleared workers' old entries.
 
-When Redis goes away the last mirror stays (routing keeps working on it);
-the mirror reconnects with backoff and reloads everything once it is back.
+When Redis goes away the last mirror stays (routing keeps working on it). On
+reconnect nothing is reloaded blindly: one pipelined read of every stream's
+last id tells which workers' streams went back (a Redis that lost its data);
+only those reload, the others resume their tail and their ``seq`` decides.
+
+On Redis Cluster (``cluster=True``) streams live in different slots, so the
+tail becomes a pipelined non-blocking ``XREAD`` per worker every
+``_CLUSTER_TAIL_S``.
 """
 
 from __future__ import annotations
@@ -21,23 +34,44 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from contract.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch
 from contract.hashing import HASH_VERSION, HashSpec
-from contract.redis_layout import EVENT_FIELD, RedisLayout, WorkerRecord
+from contract.redis_layout import (
+    EVENT_FIELD,
+    RedisLayout,
+    WorkerRecord,
+    decode_block_set,
+    valid_worker_id,
+)
 from contract.redis_url import redact
-from gateway.routing.index import BlockIndex
+from gateway.routing.index import BlockIndex, StagedSet
 
 logger = logging.getLogger(__name__)
 
-_TAIL_BLOCK_MS = 250  # short, so newly discovered workers join the XREAD quickly
+_TAIL_BLOCK_MS = 250  # short, so newly loaded workers join the XREAD quickly
 _TAIL_COUNT = 1000
 _MAX_BACKOFF_S = 5.0
+_LOAD_BATCH = 16  # workers read per round trip when loading
+_LOAD_SLICE = 4096  # hashes staged into the index between yields (~5 ms)
+_CLUSTER_TAIL_S = 0.05
+# Registry fields that change with every heartbeat; the rest only with an epoch.
+_LOAD_FIELDS = (
+    "epoch",
+    "running",
+    "waiting",
+    "queued_prefill_tokens",
+    "free_blocks",
+    "prefill_tokens_per_s",
+    "decode_tokens_per_s",
+    "updated_at",
+)
 
 
 @dataclass
@@ -51,6 +85,7 @@ class WorkerEntry:
     seq: int | None = None  # None: no batch seen yet, accept whatever comes next
     loaded: bool = False
     event_lag_s: float = 0.0
+    loads: int = 0  # completed loads of this worker's set (tests, logs)
 
 
 def spec_from_record(record: WorkerRecord) -> HashSpec | None:
@@ -90,6 +125,17 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _load_update(record: WorkerRecord, values: list[Any]) -> WorkerRecord:
+    """``record`` with the heartbeat's load fields from an ``HMGET`` of ``_LOAD_FIELDS``."""
+    changes: dict[str, Any] = {}
+    for name, raw in zip(_LOAD_FIELDS[1:], values[1:], strict=True):
+        if raw is None:
+            continue
+        text = _text(raw)
+        changes[name] = float(text) if name.endswith(("_per_s", "_at")) else int(text)
+    return replace(record, **changes)
+
+
 class IndexMirror:
     """The Redis side of the gateway: registry, block sets, event streams."""
 
@@ -102,11 +148,13 @@ class IndexMirror:
         poll_s: float = 0.5,
         reconnect_grace_s: float = 5.0,
         on_drop: Callable[[str], None] | None = None,
+        cluster: bool = False,
     ) -> None:
         self.redis_url = redis_url
         self.layout = layout
         self.index = index
         self.poll_s = poll_s
+        self.cluster = cluster
         # A Redis that just came back may be empty until every worker's
         # publisher re-registers (up to a heartbeat TTL plus its retry): a
         # missing key means "dead" only once this grace after a connect is over.
@@ -117,6 +165,16 @@ class IndexMirror:
         self.redis_ok = False
         self.has_snapshot = False  # a full load succeeded at least once
         self.reconnects = 0
+        self.reloads = 0  # loads of a worker that was already loaded once (gaps, epochs)
+        self._pending: dict[str, None] = {}  # workers queued for a load, in order
+        self._wake_loader = asyncio.Event()
+        self._staged: dict[str, StagedSet] = {}
+
+    def _client(self) -> Any:
+        opts: dict[str, Any] = {"socket_connect_timeout": 2.0, "socket_timeout": 5.0}
+        if self.cluster:
+            return RedisCluster.from_url(self.redis_url, **opts)
+        return aioredis.Redis.from_url(self.redis_url, **opts)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -124,9 +182,7 @@ class IndexMirror:
         """Mirrors Redis until cancelled, surviving Redis outages."""
         backoff = 0.1
         while True:
-            client = aioredis.Redis.from_url(
-                self.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0
-            )
+            client = self._client()
             try:
                 await client.ping()
                 if not self.redis_ok:
@@ -135,9 +191,10 @@ class IndexMirror:
                         self._connected_at = time.monotonic()
                 self.redis_ok = True
                 backoff = 0.1
-                for entry in self.workers.values():
-                    entry.loaded = False  # anything may have changed while we were away
+                if self.has_snapshot:
+                    await self.revalidate(client)
                 await self.sync_registry(client)
+                await self.load_pending(client)
                 self.has_snapshot = True
                 _raise_if_cancelled()
                 await self._follow(client)
@@ -151,6 +208,8 @@ class IndexMirror:
                 logger.exception("index mirror failed; restarting it")
                 self.redis_ok = False
                 self.reconnects += 1
+                for wid in self.workers:
+                    self._queue_load(wid)
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await client.aclose()
@@ -158,16 +217,18 @@ class IndexMirror:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, _MAX_BACKOFF_S)
 
-    async def _follow(self, client: aioredis.Redis) -> None:
-        """Polls the registry and tails the streams until either fails.
+    async def _follow(self, client: Any) -> None:
+        """Polls the registry, loads and tails until one of them fails.
 
-        Two plain tasks rather than a TaskGroup: on Python 3.11 a TaskGroup whose
+        Plain tasks rather than a TaskGroup: on Python 3.11 a TaskGroup whose
         child fails leaves its parent marked as cancelled, which would stop the
         reconnect loop for good.
         """
+        tail = self._cluster_tail_loop if self.cluster else self._tail_loop
         tasks = {
             asyncio.create_task(self._poll_loop(client)),
-            asyncio.create_task(self._tail_loop(client)),
+            asyncio.create_task(self._load_loop(client)),
+            asyncio.create_task(tail(client)),
         }
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -178,77 +239,180 @@ class IndexMirror:
         for task in done:
             task.result()  # raises the failure that ended the wait
 
-    # -- discovery and load ----------------------------------------------------
+    # -- discovery ---------------------------------------------------------------
 
-    async def _poll_loop(self, client: aioredis.Redis) -> None:
+    async def _poll_loop(self, client: Any) -> None:
         while True:
             await asyncio.sleep(self.poll_s)
             await self.sync_registry(client)
             self.index.prune(time.monotonic())
+            self.index.maintain()
             _raise_if_cancelled()
 
-    async def sync_registry(self, client: aioredis.Redis) -> None:
-        """One discovery pass: registry keys in, dead workers out, new ones loaded."""
-        ids = sorted(_text(m) for m in await client.smembers(self.layout.workers))
+    async def sync_registry(self, client: Any) -> None:
+        """One discovery pass: registry keys in, dead workers out, new ones queued.
+
+        Known workers are read with ``HMGET`` of the load fields only (one
+        pipelined round trip for the fleet); a full ``HGETALL`` only for a
+        worker that is new or whose epoch changed.
+        """
+        ids = sorted(
+            w
+            for w in (_text(m) for m in await client.smembers(self.layout.workers))
+            if valid_worker_id(w)
+        )
         async with client.pipeline(transaction=False) as pipe:
             for wid in ids:
-                pipe.hgetall(self.layout.worker(wid))
+                if wid in self.workers:
+                    pipe.hmget(self.layout.worker(wid), _LOAD_FIELDS)
+                else:
+                    pipe.hgetall(self.layout.worker(wid))
             raws = await pipe.execute()
         live: set[str] = set()
+        fresh: list[str] = []
         for wid, raw in zip(ids, raws, strict=True):
+            entry = self.workers.get(wid)
+            if entry is not None and isinstance(raw, list):
+                if raw[0] is None:
+                    continue  # the key expired
+                if _text(raw[0]) == entry.record.epoch:
+                    try:
+                        entry.record = _load_update(entry.record, raw)
+                    except ValueError as exc:
+                        logger.warning("worker %s: ignoring malformed load fields: %s", wid, exc)
+                    live.add(wid)
+                    continue
+                fresh.append(wid)  # a new epoch: read the whole record below
+                live.add(wid)
+                continue
             if not raw:
                 continue
-            try:
-                record = WorkerRecord.from_mapping(raw)
-            except ValueError as exc:
-                logger.warning("worker %s: ignoring malformed registry record: %s", wid, exc)
-                continue
             live.add(wid)
-            entry = self.workers.get(wid)
-            if entry is None or entry.record.epoch != record.epoch:
-                entry = WorkerEntry(record=record, spec=spec_from_record(record))
-                self.workers[wid] = entry
-                logger.info(
-                    "worker %s discovered at %s (epoch %s)", wid, record.address, record.epoch
-                )
-            else:
-                entry.record = record
-            if not entry.loaded:
-                await self.load_worker(client, wid)
+            self._discover(wid, raw)
+        if fresh:
+            async with client.pipeline(transaction=False) as pipe:
+                for wid in fresh:
+                    pipe.hgetall(self.layout.worker(wid))
+                for wid, raw in zip(fresh, await pipe.execute(), strict=True):
+                    if raw:
+                        self._discover(wid, raw)
+                    else:
+                        live.discard(wid)
         if time.monotonic() - self._connected_at < self.reconnect_grace_s:
             return  # see reconnect_grace_s: workers may not have re-registered yet
         for wid in [w for w in self.workers if w not in live]:
             self.drop_worker(wid)
 
-    async def load_worker(self, client: aioredis.Redis, worker_id: str) -> None:
+    def _discover(self, wid: str, raw: Any) -> None:
+        try:
+            record = WorkerRecord.from_mapping(raw)
+        except ValueError as exc:
+            logger.warning("worker %s: ignoring malformed registry record: %s", wid, exc)
+            return
+        entry = self.workers.get(wid)
+        if entry is None or entry.record.epoch != record.epoch:
+            self.workers[wid] = WorkerEntry(record=record, spec=spec_from_record(record))
+            logger.info("worker %s discovered at %s (epoch %s)", wid, record.address, record.epoch)
+            self._queue_load(wid)
+        else:
+            entry.record = record
+
+    def _queue_load(self, wid: str) -> None:
+        entry = self.workers.get(wid)
+        if entry is not None:
+            entry.loaded = False  # the tail skips it until the load has positioned it
+        self._pending[wid] = None
+        self._wake_loader.set()
+
+    # -- load ----------------------------------------------------------------------
+
+    async def _load_loop(self, client: Any) -> None:
+        while True:
+            await self._wake_loader.wait()
+            self._wake_loader.clear()
+            await self.load_pending(client)
+            _raise_if_cancelled()
+
+    async def load_pending(self, client: Any) -> None:
+        """Loads every queued worker, ``_LOAD_BATCH`` per round trip."""
+        while self._pending:
+            batch = list(self._pending)[:_LOAD_BATCH]
+            for wid in batch:
+                del self._pending[wid]
+            await self._load(client, [w for w in batch if w in self.workers])
+
+    async def load_worker(self, client: Any, worker_id: str) -> None:
         """Replaces ``worker_id``'s blocks with its Redis set; positions its stream tail."""
-        entry = self.workers[worker_id]
-        async with client.pipeline(transaction=True) as pipe:
-            pipe.smembers(self.layout.blocks(worker_id))
-            pipe.xrevrange(self.layout.events(worker_id), count=1)
-            members, last = await pipe.execute()
-        hashes = []
-        for m in members:
-            try:
-                hashes.append(int(m))
-            except ValueError:
-                logger.warning("worker %s: ignoring non-numeric block %r", worker_id, m)
-        self.index.replace(worker_id, hashes)
-        entry.stream_id, entry.seq, entry.epoch = "0-0", None, entry.record.epoch
-        if last:
-            stream_id, fields = last[0]
-            entry.stream_id = _text(stream_id)
-            batch = self._decode(worker_id, fields)
-            if batch is not None:
-                entry.seq, entry.epoch = batch.seq, batch.epoch
-        entry.loaded = True
-        logger.debug(
-            "worker %s loaded: %d blocks, stream at %s", worker_id, len(hashes), entry.stream_id
-        )
+        self._pending.pop(worker_id, None)
+        await self._load(client, [worker_id])
+
+    async def _load(self, client: Any, wids: list[str]) -> None:
+        if not wids:
+            return
+        async with client.pipeline(transaction=False) as pipe:
+            for wid in wids:
+                pipe.xrevrange(self.layout.events(wid), count=1)  # position first, then set
+                pipe.hvals(self.layout.blocks(wid))
+            replies = await pipe.execute()
+        for n, wid in enumerate(wids):
+            last, values = replies[2 * n], replies[2 * n + 1]
+            entry = self.workers.get(wid)
+            if entry is None:
+                continue
+            hashes = decode_block_set(values)
+            old = self._staged.pop(wid, None)
+            if old is not None:
+                old.abort()
+            staged = self.index.stage(wid)
+            self._staged[wid] = staged
+            for i in range(0, len(hashes), _LOAD_SLICE):
+                staged.add(hashes[i : i + _LOAD_SLICE])
+                if len(hashes) > _LOAD_SLICE:
+                    await asyncio.sleep(0)
+            if self.workers.get(wid) is not entry or self._staged.get(wid) is not staged:
+                staged.abort()  # dropped, re-discovered or re-queued meanwhile
+                continue
+            del self._staged[wid]
+            staged.commit()
+            entry.stream_id, entry.seq, entry.epoch = "0-0", None, entry.record.epoch
+            if last:
+                stream_id, fields = last[0]
+                entry.stream_id = _text(stream_id)
+                batch = self._decode(wid, fields)
+                if batch is not None:
+                    entry.seq, entry.epoch = batch.seq, batch.epoch
+            if entry.loads:
+                self.reloads += 1
+            entry.loads += 1
+            entry.loaded = wid not in self._pending
+            logger.debug(
+                "worker %s loaded: %d blocks, stream at %s", wid, len(hashes), entry.stream_id
+            )
+
+    async def revalidate(self, client: Any) -> None:
+        """After a reconnect: reload only the workers whose stream went back.
+
+        A stream whose last id is before ours was re-created (Redis lost its
+        data); anything else resumes its tail, where ``seq`` catches gaps.
+        """
+        wids = [w for w, e in self.workers.items() if e.loaded]
+        async with client.pipeline(transaction=False) as pipe:
+            for wid in wids:
+                pipe.xrevrange(self.layout.events(wid), count=1)
+            replies = await pipe.execute()
+        for wid, last in zip(wids, replies, strict=True):
+            # A stream that is gone will be re-created by its publisher's re-sync
+            # (a snapshot batch the tail applies, or whose seq forces a reload).
+            if last and _stream_key(_text(last[0][0])) < _stream_key(self.workers[wid].stream_id):
+                self._queue_load(wid)
 
     def drop_worker(self, worker_id: str) -> None:
         """Forgets a dead worker and all its blocks."""
         self.workers.pop(worker_id, None)
+        self._pending.pop(worker_id, None)
+        staged = self._staged.pop(worker_id, None)
+        if staged is not None:
+            staged.abort()
         if worker_id in self.index.workers():
             self.index.drop(worker_id)
         logger.info("worker %s gone (registry key expired); dropped from the index", worker_id)
@@ -257,7 +421,7 @@ class IndexMirror:
 
     # -- tail ----------------------------------------------------------------------
 
-    async def _tail_loop(self, client: aioredis.Redis) -> None:
+    async def _tail_loop(self, client: Any) -> None:
         while True:
             _raise_if_cancelled()
             owners = {self.layout.events(wid): wid for wid, e in self.workers.items() if e.loaded}
@@ -265,16 +429,31 @@ class IndexMirror:
                 key: self.workers[wid].stream_id for key, wid in owners.items()
             }
             if not streams:
-                await asyncio.sleep(self.poll_s)
+                await asyncio.sleep(min(self.poll_s, 0.05))
                 continue
             reply: Any = await client.xread(streams, count=_TAIL_COUNT, block=_TAIL_BLOCK_MS)
             for key, entries in reply or []:
                 wid = owners.get(_text(key))
-                if wid is None:
-                    continue
-                await self._apply_entries(client, wid, entries)
+                if wid is not None:
+                    self._apply_entries(wid, entries)
 
-    async def _apply_entries(self, client: aioredis.Redis, worker_id: str, entries: list) -> None:
+    async def _cluster_tail_loop(self, client: Any) -> None:
+        """Cluster: one non-blocking XREAD per stream, pipelined (slots differ)."""
+        while True:
+            _raise_if_cancelled()
+            wids = [wid for wid, e in self.workers.items() if e.loaded]
+            if wids:
+                async with client.pipeline(transaction=False) as pipe:
+                    for wid in wids:
+                        key = self.layout.events(wid)
+                        pipe.xread({key: self.workers[wid].stream_id}, count=_TAIL_COUNT)
+                    replies = await pipe.execute()
+                for wid, reply in zip(wids, replies, strict=True):
+                    for _, entries in reply or []:
+                        self._apply_entries(wid, entries)
+            await asyncio.sleep(_CLUSTER_TAIL_S)
+
+    def _apply_entries(self, worker_id: str, entries: list) -> None:
         for raw_id, fields in entries:
             entry = self.workers.get(worker_id)
             if entry is None or not entry.loaded:
@@ -294,7 +473,7 @@ class IndexMirror:
                     worker_id,
                     "new epoch" if batch.epoch != entry.epoch else "event gap",
                 )
-                await self.load_worker(client, worker_id)
+                self._queue_load(worker_id)
                 return
             self._apply(worker_id, batch)
             entry.stream_id, entry.seq = stream_id, batch.seq

@@ -43,9 +43,10 @@ def test_encode_rejects_non_events() -> None:
 
 def test_layout_keys_are_namespaced() -> None:
     layout = RedisLayout("prod-a")
-    assert layout.worker("w1") == "prod-a:worker:w1"
-    assert layout.blocks("w1") == "prod-a:blocks:w1"
-    assert layout.events("w1") == "prod-a:events:w1"
+    # One hash tag per worker: its three keys share a Redis Cluster slot.
+    assert layout.worker("w1") == "prod-a:worker:{w1}"
+    assert layout.blocks("w1") == "prod-a:blocks:{w1}"
+    assert layout.events("w1") == "prod-a:events:{w1}"
     assert layout.workers == "prod-a:workers"
     with pytest.raises(ValueError, match="namespace"):
         RedisLayout("a:b")

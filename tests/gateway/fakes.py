@@ -27,7 +27,7 @@ from contract.events import (
     encode_batch,
 )
 from contract.hashing import HashSpec
-from contract.redis_layout import EVENT_FIELD, RedisLayout, WorkerRecord
+from contract.redis_layout import EVENT_FIELD, BlockSetWriter, RedisLayout, WorkerRecord
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
@@ -123,6 +123,7 @@ class FakeRegistration:
         self.spec = spec
         self.ttl_ms = ttl_ms
         self.seq = 0
+        self.blockset = BlockSetWriter()  # the bucketed set, written as the publisher does
         self.record = WorkerRecord(
             worker_id=worker_id,
             address=address,
@@ -147,8 +148,8 @@ class FakeRegistration:
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=self.record.to_mapping())
             pipe.pexpire(key, self.ttl_ms)
-            pipe.sadd(self.layout.workers, self.worker_id)
             await pipe.execute()
+        await self.client.sadd(self.layout.workers, self.worker_id)
 
     async def expire(self) -> None:
         """As if the heartbeat stopped and the TTL ran out."""
@@ -161,8 +162,12 @@ class FakeRegistration:
         seq: int | None = None,
         epoch: str | None = None,
         touch_set: bool = True,
+        touch_stream: bool = True,
     ) -> None:
-        """Applies ``events`` to the block set and appends one batch, in one MULTI/EXEC."""
+        """Applies ``events`` to the block set and appends one batch, in one MULTI/EXEC.
+
+        ``touch_stream=False`` changes only the set: a batch whose event was lost.
+        """
         blocks = self.layout.blocks(self.worker_id)
         batch = EventBatch(
             self.worker_id,
@@ -175,13 +180,23 @@ class FakeRegistration:
         async with self.client.pipeline(transaction=True) as pipe:
             if touch_set:
                 for event in events:
+                    write: dict[str, bytes] = {}
+                    delete: list[str] = []
                     if isinstance(event, BlockStored) and event.block_hashes:
-                        pipe.sadd(blocks, *event.block_hashes)
+                        write, delete = self.blockset.change(event.block_hashes, ())
                     elif isinstance(event, BlockRemoved) and event.block_hashes:
-                        pipe.srem(blocks, *event.block_hashes)
+                        write, delete = self.blockset.change((), event.block_hashes)
                     elif isinstance(event, AllBlocksCleared):
+                        self.blockset.reset((), self.record.num_blocks)
                         pipe.delete(blocks)
-            pipe.xadd(self.layout.events(self.worker_id), {EVENT_FIELD: encode_batch(batch)})
+                    if write:
+                        pipe.hset(blocks, mapping=write)
+                    if delete:
+                        pipe.hdel(blocks, *delete)
+            if touch_stream:
+                pipe.xadd(self.layout.events(self.worker_id), {EVENT_FIELD: encode_batch(batch)})
+            else:
+                self.seq = batch.seq
             await pipe.execute()
 
     async def store(self, hashes: Sequence[int]) -> None:

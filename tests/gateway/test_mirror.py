@@ -74,7 +74,7 @@ async def test_seq_gap_reloads_the_set(redis_url: str, redis_client: aioredis.Re
     async with running(mirror):
         await eventually(lambda: mirror.index.block_count("w1") == 1)
         # A lost batch: the set has 2 and 3, but no event said so.
-        await redis_client.sadd(layout.blocks("w1"), 2, 3)
+        await reg.publish([BlockStored((2, 3))], touch_stream=False)
         await reg.publish([BlockStored((4,))], seq=reg.seq + 1)
         await eventually(
             lambda: mirror.index.longest_prefix([1, 2, 3, 4]) == {"w1": 4}, what="reload after gap"
@@ -153,6 +153,7 @@ async def test_redis_outage_keeps_mirror_and_reloads(redis_process: RedisProcess
         client = aioredis.Redis.from_url(redis_process.url)
         reg.client = client
         reg.seq = 0
+        reg.blockset.reset((), 0)  # it writes its set anew into the empty Redis
         await reg.register()
         await reg.store([1, 9])
         await eventually(

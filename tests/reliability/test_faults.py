@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 import redis
 
-from contract.redis_layout import RedisLayout
+from contract.redis_layout import RedisLayout, decode_block_set
 from loadtest.fleet import Fleet, FleetConfig
 from tests.reliability.fleetkit import (
     all_blocks_free,
@@ -157,7 +157,7 @@ def _mirror_whole(fleet: Fleet, r: redis.Redis) -> bool:
         if not r.exists(layout.worker(w.worker_id)):
             return False
         pool = worker_blocks(w.http_url)["cached"]  # hashed blocks the pool can serve
-        in_redis = r.scard(layout.blocks(w.worker_id))
+        in_redis = len(decode_block_set(r.hvals(layout.blocks(w.worker_id))))
         row = rows.get(w.worker_id)
         if row is None or not row["healthy"] or not pool == in_redis == row["index_blocks"]:
             return False

@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from contract.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from contract.redis_layout import EVENT_FIELD, RedisLayout, WorkerRecord
+from contract.redis_layout import EVENT_FIELD, RedisLayout, WorkerRecord, decode_block_set
 from tests.support import RedisProcess
 from worker.publish.publisher import EventQueue, Publisher, PublisherConfig, net_effect
 
@@ -104,7 +104,7 @@ class Harness:
         self.redis = aioredis.from_url(url)
 
     async def members(self) -> set[int]:
-        return {int(m) for m in await self.redis.smembers(self.layout.blocks(self.worker_id))}
+        return set(decode_block_set(await self.redis.hvals(self.layout.blocks(self.worker_id))))
 
     async def batches(self):
         entries = await self.redis.xrange(self.layout.events(self.worker_id))

@@ -8,8 +8,9 @@ task, ``Publisher``, owns every Redis write, in order:
    registry key that vanished) it writes, in one MULTI/EXEC, the registry record,
    the block set rebuilt from ``engine.resident_block_hashes()`` and an event
    batch ``[AllBlocksCleared, BlockStored(all)]`` — so the set equals the pool.
-2. publish: each drained batch of events becomes one MULTI/EXEC of SADD/SREM on
-   the block set plus one XADD with the next gap-free ``seq``.
+2. publish: each drained batch of events becomes one MULTI/EXEC that rewrites
+   the block-set buckets it touched (``contract.redis_layout.BlockSetWriter``)
+   plus one XADD with the next gap-free ``seq``.
 3. heartbeat: the registry hash with current load, with a TTL.
 
 Redis being down never reaches the engine: the task retries with backoff and
@@ -45,11 +46,17 @@ from contract.events import (
     decode_batch,
     encode_batch,
 )
-from contract.redis_layout import EVENT_FIELD, STREAM_MAXLEN, RedisLayout, WorkerRecord
+from contract.redis_layout import (
+    EVENT_FIELD,
+    STREAM_MAXLEN,
+    BlockSetWriter,
+    RedisLayout,
+    WorkerRecord,
+)
 
 logger = logging.getLogger(__name__)
 
-_SADD_CHUNK = 10_000  # members per SADD, so a huge snapshot is not one giant command
+_HSET_CHUNK = 1_000  # buckets per HSET, so a huge snapshot is not one giant command
 
 
 class EngineView(Protocol):
@@ -173,6 +180,7 @@ class Publisher:
         self._redis: aioredis.Redis | None = None
         self.syncs = 0  # completed full syncs (tests and logs)
         self._last_snapshot_size = 0
+        self._blockset = BlockSetWriter()
 
     @property
     def synced(self) -> bool:
@@ -247,8 +255,8 @@ class Publisher:
             pipe.delete(self.layout.worker(wid))
             pipe.delete(self.layout.blocks(wid))
             pipe.delete(self.layout.events(wid))
-            pipe.srem(self.layout.workers, wid)
             await pipe.execute()
+        await self._redis.srem(self.layout.workers, wid)
 
     async def _run(self) -> None:
         backoff = self.config.retry_min_s
@@ -333,12 +341,13 @@ class Publisher:
         if hashes:
             events.append(BlockStored(tuple(hashes), None))
         seq = 0 if first else self._seq
+        buckets = list(self._blockset.reset(hashes, int(self.engine.stats().num_blocks)).items())
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(blocks_key)
             if first:
                 pipe.delete(events_key)
-            for i in range(0, len(hashes), _SADD_CHUNK):
-                pipe.sadd(blocks_key, *hashes[i : i + _SADD_CHUNK])
+            for i in range(0, len(buckets), _HSET_CHUNK):
+                pipe.hset(blocks_key, mapping=dict(buckets[i : i + _HSET_CHUNK]))
             pipe.xadd(
                 events_key,
                 {EVENT_FIELD: self._encode(seq, events)},
@@ -347,6 +356,7 @@ class Publisher:
             )
             self._queue_heartbeat(pipe)
             await pipe.execute()
+        await self._redis.sadd(self.layout.workers, wid)
         self._seq = seq + 1
         self._started_epoch = True
         self._synced = True
@@ -366,14 +376,19 @@ class Publisher:
         wid = self.config.worker_id
         blocks_key = self.layout.blocks(wid)
         cleared, added, removed = net_effect(events)
+        if cleared:
+            capacity = int(self.engine.stats().num_blocks)
+            write, delete = self._blockset.reset(added, capacity), []
+        else:
+            write, delete = self._blockset.change(added, removed)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.exists(self.layout.worker(wid))
             if cleared:
                 pipe.delete(blocks_key)
-            if added:
-                pipe.sadd(blocks_key, *added)
-            if removed:
-                pipe.srem(blocks_key, *removed)
+            if write:
+                pipe.hset(blocks_key, mapping=write)
+            if delete:
+                pipe.hdel(blocks_key, *delete)
             pipe.xadd(
                 self.layout.events(wid),
                 {EVENT_FIELD: self._encode(self._seq, events)},
@@ -391,6 +406,8 @@ class Publisher:
         async with self._redis.pipeline(transaction=True) as pipe:
             self._queue_heartbeat(pipe)
             results = await pipe.execute()
+        # The directory is in another Cluster slot than this worker's keys.
+        await self._redis.sadd(self.layout.workers, self.config.worker_id)
         return int(results[0]) == 0
 
     def _queue_heartbeat(self, pipe: Any) -> None:
@@ -398,7 +415,6 @@ class Publisher:
         key = self.layout.worker(wid)
         pipe.hset(key, mapping=self.current_record().to_mapping())
         pipe.pexpire(key, int(self.config.heartbeat_ttl * 1000))
-        pipe.sadd(self.layout.workers, wid)
         # The set and stream outlive a crashed worker only for a while; a live one
         # refreshes them here (an empty set has no key and needs none).
         stale_ms = int(max(60.0, 20 * self.config.heartbeat_ttl) * 1000)
