@@ -81,13 +81,22 @@ class ChatTokenizer:
     # -- rendering and encoding ---------------------------------------------------
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> str:
-        """The chat template applied to ``messages``, ending with the assistant's prompt."""
+        """The chat template applied to ``messages``, ending with the assistant's prompt.
+
+        ``template_kwargs`` are a request's ``chat_template_kwargs`` (e.g. Qwen3's
+        ``enable_thinking``), passed to the template exactly as a worker passes them.
+        """
         text = self.tokenizer.apply_chat_template(
             [dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            **template_kwargs,
         )
         if not isinstance(text, str):
             raise ValueError("the chat template did not render to text")
