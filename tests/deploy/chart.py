@@ -70,8 +70,26 @@ VARIANTS: dict[str, dict[str, Any]] = {
                 "command": ["aws", "s3", "sync", "s3://models/smollm2", "/models/model"],
             },
         },
-        "gateway": {"apiKeys": {"existingSecret": "kvroute-api-keys"}},
+        "gateway": {
+            "apiKeys": {"existingSecret": "kvroute-api-keys"},
+            "tokenizer": {"source": "configMap", "configMap": "smollm2-tokenizer"},
+        },
         "redis": {"persistence": {"enabled": True, "storageClass": "fast"}},
+    },
+    "tokenizer-init-hpa": {
+        "gateway": {
+            "tokenizer": {
+                "source": "init",
+                "init": {
+                    "image": "amazon/aws-cli:2.17.0",
+                    "command": ["sh", "-c", "aws s3 sync s3://tok/m $KVROUTE_TOKENIZER_PATH"],
+                },
+            },
+            "autoscaling": {"requestMetric": {"enabled": True, "targetAverageValue": "16"}},
+            "podAntiAffinity": "hard",
+        },
+        "worker": {"podAntiAffinity": "none"},
+        "redis": {"auth": {"existingSecret": "", "password": "from-the-secret-store"}},
     },
 }
 

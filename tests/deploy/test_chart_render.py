@@ -35,7 +35,9 @@ BASE_KINDS = {
     ("Service", "worker"),
     ("PodDisruptionBudget", "worker"),
 }
-REDIS_KINDS = {("StatefulSet", "redis"), ("Service", "redis"), ("Secret", "redis")}
+# The Redis password is an existing Secret by default; the chart makes one only from
+# `redis.auth.password`.
+REDIS_KINDS = {("StatefulSet", "redis"), ("Service", "redis")}
 MONITORING_KINDS = {
     ("ServiceMonitor", "gateway"),
     ("PodMonitor", "worker"),
@@ -50,6 +52,7 @@ EXPECTED_KINDS = {
     | REDIS_KINDS
     | MONITORING_KINDS,
     "cpu-download-apikeys": BASE_KINDS | REDIS_KINDS | MONITORING_KINDS,
+    "tokenizer-init-hpa": BASE_KINDS | REDIS_KINDS | {("Secret", "redis")} | MONITORING_KINDS,
 }
 
 # prometheus-operator kinds: kubernetes-validate ships schemas for built-in kinds only and no
@@ -198,7 +201,9 @@ def test_cpu_worker_download_and_api_keys() -> None:
 def test_redis_password_only_from_a_secret(variant: tuple[str, list[Manifest]]) -> None:
     name, items = variant
     external = name == "external-redis"
-    secret_name = "shared-redis" if external else "demo-kvroute-redis"
+    chart_secret = name == "tokenizer-init-hpa"  # redis.auth.password given
+    secret_name = {True: "demo-kvroute-redis", False: "kvroute-redis"}[chart_secret]
+    secret_name = "shared-redis" if external else secret_name
     secret_key = "password" if external else "redis-password"
     for m in _workloads(items):
         for c in _containers(m):
@@ -220,8 +225,9 @@ def test_redis_password_only_from_a_secret(variant: tuple[str, list[Manifest]]) 
         assert _flag(worker["args"], "--redis-namespace") == "fleet-a"
     else:
         assert url == "redis://demo-kvroute-redis:6379/0"
-        secret = find(items, "Secret", "redis").doc
-        assert len(secret["data"]["redis-password"]) >= 40  # base64 of 32 random characters
+        if chart_secret:
+            secret = find(items, "Secret", "redis").doc
+            assert secret["data"]["redis-password"] == "ZnJvbS10aGUtc2VjcmV0LXN0b3Jl"
         redis = find(items, "StatefulSet", "redis").doc["spec"]["template"]["spec"]
         args = redis["containers"][0]["args"]
         assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
@@ -364,3 +370,86 @@ def test_longest_release_name_gives_valid_names() -> None:
         assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", m.name) and len(m.name) <= 63
         if m.kind == "StatefulSet":
             assert len(m.name) + 11 <= 63, m.name
+
+
+def test_redis_secret_is_stable_without_lookup() -> None:
+    """The same values give the same Secret on every render (helm template, Argo CD)."""
+    values = VARIANTS["tokenizer-init-hpa"]
+    first = find(manifests(values), "Secret", "redis").doc
+    assert find(manifests(values), "Secret", "redis").doc == first
+    for template in (CHART / "templates").iterdir():
+        assert not re.search(r"\blookup\s", template.read_text()), template.name
+
+
+def _gateway_pod(items: list[Manifest]) -> dict[str, Any]:
+    return find(items, "Deployment", "gateway").doc["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("name", ["cpu-download-apikeys", "tokenizer-init-hpa"])
+def test_gateway_tokenizer_without_the_model_volume(name: str) -> None:
+    items = manifests(VARIANTS[name])
+    pod = _gateway_pod(items)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "model" not in volumes, "the gateway must not mount the model volume"
+    (gateway,) = pod["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in gateway["volumeMounts"]}
+    model = find(items, "ConfigMap", "gateway").doc["data"]["KVROUTE_MODEL"]
+    assert mounts["tokenizer"] == model == "/tokenizer/model"
+    # Same last path segment as the workers' --model: both derive the same served name.
+    worker = find(items, "StatefulSet", "worker").doc["spec"]["template"]["spec"]["containers"][0]
+    assert _flag(worker["args"], "--model").rsplit("/", 1)[-1] == "model"
+    if name == "cpu-download-apikeys":
+        assert volumes["tokenizer"]["configMap"] == {"name": "smollm2-tokenizer"}
+        assert "initContainers" not in pod  # the model download is the workers' business
+    else:
+        assert "sizeLimit" in volumes["tokenizer"]["emptyDir"]
+        (init,) = pod["initContainers"]
+        assert init["name"] == "tokenizer-fetch"
+        env = {e["name"]: e["value"] for e in init["env"]}
+        assert env["KVROUTE_TOKENIZER_PATH"] == "/tokenizer/model"
+        assert {m["name"] for m in init["volumeMounts"]} == {"tokenizer", "tmp"}
+
+
+def test_default_gateway_mounts_the_model_volume_read_only() -> None:
+    pod = _gateway_pod(manifests({}))
+    assert {v["name"] for v in pod["volumes"]} >= {"model"}
+    (gateway,) = pod["containers"]
+    assert {m["name"]: m.get("readOnly") for m in gateway["volumeMounts"]}["model"] is True
+
+
+def test_hpa_scales_on_requests_in_flight_when_asked() -> None:
+    default = find(manifests({}), "HorizontalPodAutoscaler", "gateway").doc["spec"]["metrics"]
+    assert [m["type"] for m in default] == ["Resource"]
+    items = manifests(VARIANTS["tokenizer-init-hpa"])
+    metrics = find(items, "HorizontalPodAutoscaler", "gateway").doc["spec"]["metrics"]
+    assert [m["type"] for m in metrics] == ["Resource", "Pods"]
+    assert metrics[1]["pods"] == {
+        "metric": {"name": "kvroute_gateway_inflight_requests"},
+        "target": {"type": "AverageValue", "averageValue": "16"},
+    }
+
+
+def test_anti_affinity_presets_and_topology_spread() -> None:
+    items = manifests({})
+    gateway = _gateway_pod(items)
+    worker = find(items, "StatefulSet", "worker").doc["spec"]["template"]["spec"]
+    for pod, component in ((gateway, "gateway"), (worker, "worker")):
+        (term,) = pod["affinity"]["podAntiAffinity"][
+            "preferredDuringSchedulingIgnoredDuringExecution"
+        ]
+        selector = term["podAffinityTerm"]["labelSelector"]["matchLabels"]
+        assert selector["app.kubernetes.io/component"] == component
+        assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    (spread,) = gateway["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "topology.kubernetes.io/zone"
+    assert spread["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+    assert "topologySpreadConstraints" not in worker
+    items = manifests(VARIANTS["tokenizer-init-hpa"])
+    hard = _gateway_pod(items)["affinity"]["podAntiAffinity"]
+    assert list(hard) == ["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert "affinity" not in find(items, "StatefulSet", "worker").doc["spec"]["template"]["spec"]
+    custom = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["llm"]}]}]
+    }}}  # fmt: skip
+    pod = _gateway_pod(manifests({"gateway": {"affinity": custom}}))
+    assert pod["affinity"] == custom

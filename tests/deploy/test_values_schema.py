@@ -28,7 +28,13 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"monitoring": {"interval": "15 seconds"}}, "/monitoring/interval"),
     ({"redis": {"enabled": False}}, "/redis/external/url"),
     (
-        {"redis": {"enabled": False, "external": {"url": "redis://r:6379/0"}}},
+        {
+            "redis": {
+                "enabled": False,
+                "external": {"url": "redis://r:6379/0"},
+                "auth": {"existingSecret": ""},
+            }
+        },
         "/redis/auth/existingSecret",
     ),
     # A password inside the URL would land in a ConfigMap and in the pod spec.
@@ -47,6 +53,17 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"model": {"volume": {"type": "s3"}}}, "/model/volume/type"),
     ({"model": {"download": {"enabled": True}}}, "/model/download/image"),
     ({"model": {"path": "models/x"}}, "/model/path"),
+    ({"gateway": {"tokenizer": {"source": "hub"}}}, "/gateway/tokenizer/source"),
+    ({"gateway": {"tokenizer": {"source": "configMap"}}}, "/gateway/tokenizer/configMap"),
+    ({"gateway": {"tokenizer": {"source": "init"}}}, "/gateway/tokenizer/init/image"),
+    ({"gateway": {"podAntiAffinity": "maybe"}}, "/gateway/podAntiAffinity"),
+    ({"worker": {"podAntiAffinity": True}}, "/worker/podAntiAffinity"),
+    (
+        {"gateway": {"autoscaling": {"requestMetric": {"targetAverageValue": "lots"}}}},
+        "targetAverageValue",
+    ),
+    # Neither an existing Secret nor a password: nothing stable to put in the Secret.
+    ({"redis": {"auth": {"existingSecret": ""}}}, "/redis/auth/password"),
 ]
 
 

@@ -134,6 +134,112 @@ redis-password
   mountPath: /tmp
 {{- end }}
 
+{{/* Where the gateway finds its tokenizer folder. Its last path segment is the model folder's
+name, so the served name the gateway derives from it equals the workers'. */}}
+{{- define "kvroute.gatewayModelPath" -}}
+{{- if eq .Values.gateway.tokenizer.source "model" }}
+{{- .Values.model.path }}
+{{- else }}
+{{- printf "/tokenizer/%s" (base .Values.model.path) }}
+{{- end }}
+{{- end }}
+
+{{/* The gateway's volumes: the model volume only with tokenizer.source "model". */}}
+{{- define "kvroute.gatewayVolumes" -}}
+{{- $t := .Values.gateway.tokenizer -}}
+{{- if eq $t.source "model" }}
+{{- include "kvroute.modelVolume" . }}
+{{- else }}
+- name: tokenizer
+{{- if eq $t.source "configMap" }}
+  configMap:
+    name: {{ required "gateway.tokenizer.configMap is required for gateway.tokenizer.source configMap" $t.configMap }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ $t.sizeLimit }}
+{{- end }}
+- name: tmp
+  emptyDir: {}
+{{- end }}
+{{- end }}
+
+{{- define "kvroute.gatewayVolumeMounts" -}}
+{{- if eq .Values.gateway.tokenizer.source "model" }}
+{{- include "kvroute.modelVolumeMounts" . }}
+{{- else }}
+- name: tokenizer
+  mountPath: {{ include "kvroute.gatewayModelPath" . }}
+  readOnly: true
+- name: tmp
+  mountPath: /tmp
+{{- end }}
+{{- end }}
+
+{{/* tokenizer.source "init": a small init container writes the tokenizer files. */}}
+{{- define "kvroute.tokenizerInitContainer" -}}
+{{- with .Values.gateway.tokenizer.init }}
+- name: tokenizer-fetch
+  image: {{ required "gateway.tokenizer.init.image is required for gateway.tokenizer.source init" .image }}
+  command:
+    {{- toYaml .command | nindent 4 }}
+  env:
+    - name: KVROUTE_TOKENIZER_PATH
+      value: {{ include "kvroute.gatewayModelPath" $ | quote }}
+    {{- with .env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with .resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- toYaml $.Values.securityContext | nindent 4 }}
+  volumeMounts:
+    - name: tokenizer
+      mountPath: {{ include "kvroute.gatewayModelPath" $ }}
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+{{- end }}
+
+{{/* podAntiAffinity from a preset ("soft": prefer other nodes; "hard": require them; "none"),
+unless `affinity` is given explicitly. Call with dict "root" . "component" "gateway|worker". */}}
+{{- define "kvroute.affinity" -}}
+{{- $v := index .root.Values .component }}
+{{- if $v.affinity }}
+{{- toYaml $v.affinity }}
+{{- else if eq $v.podAntiAffinity "soft" }}
+podAntiAffinity:
+  preferredDuringSchedulingIgnoredDuringExecution:
+    - weight: 100
+      podAffinityTerm:
+        topologyKey: kubernetes.io/hostname
+        labelSelector:
+          matchLabels:
+            {{- include "kvroute.selectorLabels" . | nindent 12 }}
+{{- else if eq $v.podAntiAffinity "hard" }}
+podAntiAffinity:
+  requiredDuringSchedulingIgnoredDuringExecution:
+    - topologyKey: kubernetes.io/hostname
+      labelSelector:
+        matchLabels:
+          {{- include "kvroute.selectorLabels" . | nindent 10 }}
+{{- end }}
+{{- end }}
+
+{{/* topologySpreadConstraints, each given this component's pod selector when it has none. */}}
+{{- define "kvroute.topologySpread" -}}
+{{- $v := index .root.Values .component }}
+{{- $ctx := . }}
+{{- range $v.topologySpreadConstraints }}
+{{- $c := deepCopy . }}
+{{- if not (hasKey $c "labelSelector") }}
+{{- $_ := set $c "labelSelector" (dict "matchLabels" (include "kvroute.selectorLabels" $ctx | fromYaml)) }}
+{{- end }}
+- {{- toYaml $c | nindent 2 }}
+{{- end }}
+{{- end }}
+
 {{/* Optional init container that fills the model volume before kvroute starts. */}}
 {{- define "kvroute.downloadInitContainer" -}}
 {{- with .Values.model.download }}
