@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -135,6 +136,7 @@ class PublisherConfig:
     retry_min_s: float = 0.1
     retry_max_s: float = 1.0
     op_timeout_s: float = 2.0
+    cluster: bool = False  # a Redis Cluster (this worker's keys share one hash-tag slot)
 
 
 def net_effect(events: Iterable[KVEvent]) -> tuple[bool, set[int], set[int]]:
@@ -177,7 +179,7 @@ class Publisher:
         self._wake = asyncio.Event()
         self._wake_pending = False
         self._task: asyncio.Task[None] | None = None
-        self._redis: aioredis.Redis | None = None
+        self._redis: Any = None  # aioredis.Redis or RedisCluster
         self.syncs = 0  # completed full syncs (tests and logs)
         self._last_snapshot_size = 0
         self._blockset = BlockSetWriter()
@@ -198,7 +200,8 @@ class Publisher:
     async def start(self) -> None:
         """Connects lazily and starts the task; never raises for an unreachable Redis."""
         loop = asyncio.get_running_loop()
-        self._redis = aioredis.from_url(
+        factory: Any = RedisCluster.from_url if self.config.cluster else aioredis.from_url
+        self._redis = factory(
             self.config.redis_url,
             socket_timeout=self.config.op_timeout_s,
             socket_connect_timeout=self.config.op_timeout_s,
