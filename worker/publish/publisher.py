@@ -379,9 +379,9 @@ class Publisher:
         wid = self.config.worker_id
         blocks_key = self.layout.blocks(wid)
         cleared, added, removed = net_effect(events)
+        delete: list[str] = []
         if cleared:
-            capacity = int(self.engine.stats().num_blocks)
-            write, delete = self._blockset.reset(added, capacity), []
+            write = self._blockset.reset(added, int(self.engine.stats().num_blocks))
         else:
             write, delete = self._blockset.change(added, removed)
         async with self._redis.pipeline(transaction=True) as pipe:
