@@ -29,9 +29,11 @@ from gateway.routing.index import BlockIndex
 from gateway.routing.mirror import IndexMirror
 from gateway.routing.router import Router
 from gateway.routing.sessions import SessionMap
+from gateway.text.fingerprint import tokenizer_fingerprint
 from gateway.text.tokenizer import ChatTokenizer
 from gateway.upstream.base import Upstream
 from gateway.upstream.grpc_worker import GrpcUpstream
+from gateway.upstream.openai_http import OpenAIHTTPUpstream
 from openai_api.errors import APIError, error_body
 
 logger = logging.getLogger(__name__)
@@ -150,12 +152,22 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         )
     index = BlockIndex()
     upstreams: dict[str, Upstream] = {
-        "grpc": GrpcUpstream(config.grpc_tls_ca.read_bytes() if config.grpc_tls_ca else None),
+        "grpc": GrpcUpstream(
+            config.grpc_tls_ca.read_bytes() if config.grpc_tls_ca else None,
+            drain_s=config.request_timeout_s,
+        ),
+        "openai-http": OpenAIHTTPUpstream(),
     }
     sessions = SessionMap(config.session_ttl_s)
     metrics = GatewayMetrics()
     stats = RollingStats()
-    mirror = IndexMirror(config.redis_url, config.layout, index, poll_s=config.registry_poll_s)
+    mirror = IndexMirror(
+        config.redis_url,
+        config.layout,
+        index,
+        poll_s=config.registry_poll_s,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+    )
     dispatcher = Dispatcher(
         mirror=mirror,
         index=index,

@@ -149,12 +149,16 @@ class IndexMirror:
         reconnect_grace_s: float = 5.0,
         on_drop: Callable[[str], None] | None = None,
         cluster: bool = False,
+        tokenizer_fingerprint: str = "",
     ) -> None:
         self.redis_url = redis_url
         self.layout = layout
         self.index = index
         self.poll_s = poll_s
         self.cluster = cluster
+        # A worker whose record names another tokenizer is never routed to ("" checks nothing).
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.refused: dict[str, str] = {}  # worker id -> epoch refused for its tokenizer
         # A Redis that just came back may be empty until every worker's
         # publisher re-registers (up to a heartbeat TTL plus its retry): a
         # missing key means "dead" only once this grace after a connect is over.
@@ -309,6 +313,8 @@ class IndexMirror:
         except ValueError as exc:
             logger.warning("worker %s: ignoring malformed registry record: %s", wid, exc)
             return
+        if not self._same_tokenizer(wid, record):
+            return
         entry = self.workers.get(wid)
         if entry is None or entry.record.epoch != record.epoch:
             self.workers[wid] = WorkerEntry(record=record, spec=spec_from_record(record))
@@ -316,6 +322,25 @@ class IndexMirror:
             self._queue_load(wid)
         else:
             entry.record = record
+
+    def _same_tokenizer(self, wid: str, record: WorkerRecord) -> bool:
+        ours, theirs = self.tokenizer_fingerprint, record.tokenizer_fingerprint
+        if not ours or not theirs or ours == theirs:
+            self.refused.pop(wid, None)
+            return True
+        if self.refused.get(wid) != record.epoch:
+            self.refused[wid] = record.epoch
+            logger.error(
+                "worker %s at %s tokenizes differently (fingerprint %s, this gateway %s): "
+                "not routing to it",
+                wid,
+                record.address,
+                theirs,
+                ours,
+            )
+        if wid in self.workers:
+            self.drop_worker(wid)
+        return False
 
     def _queue_load(self, wid: str) -> None:
         entry = self.workers.get(wid)

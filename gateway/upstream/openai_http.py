@@ -1,0 +1,206 @@
+"""The OpenAI-HTTP upstream: workers that speak ``/v1/completions`` (vLLM behind the bridge).
+
+The gateway already rendered and tokenized the request (chat too), so the
+worker gets the very ids the router hashed, as ``prompt`` (a list of token
+ids), streamed, with ``return_token_ids`` so each chunk carries the new ids
+and ``stream_options.include_usage`` so the last one carries usage, including
+``prompt_tokens_details.cached_tokens``. Text is never taken from the worker:
+the gateway detokenizes as it does for gRPC workers.
+
+Failures map to ``UpstreamError``: no connection, 5xx, 404, 429 are
+retryable (another worker may serve it); 400 is the client's; a timeout is
+504. Cancelling closes the HTTP connection, which makes vLLM abort the request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import aiohttp
+
+from gateway.upstream.base import Chunk, Generation, UpstreamError
+from openai_api.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def completion_body(g: Generation) -> dict[str, Any]:
+    """The ``/v1/completions`` request for a generation (the worker's default model)."""
+    body: dict[str, Any] = {
+        "prompt": list(g.prompt_ids),
+        "max_tokens": g.max_tokens,
+        "temperature": g.temperature,
+        "top_p": g.top_p if g.top_p > 0 else 1.0,
+        "top_k": g.top_k if g.top_k > 0 else 0,
+        "ignore_eos": g.ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    if g.stop_token_ids:
+        body["stop_token_ids"] = list(g.stop_token_ids)
+    if g.seed is not None:
+        body["seed"] = g.seed
+    if g.cache_salt:
+        body["cache_salt"] = g.cache_salt  # vLLM folds it into block 0's hash, as kvroute does
+    return body
+
+
+def _error(status: int, detail: str) -> UpstreamError:
+    if status == 400:
+        api = APIError(400, f"the worker rejected the request: {detail}", code="invalid_request")
+        return UpstreamError(f"HTTP 400: {detail}", retryable=False, api_error=api)
+    api = APIError(502, f"worker error HTTP {status}: {detail}", code="worker_error")
+    return UpstreamError(f"HTTP {status}: {detail}", retryable=True, api_error=api)
+
+
+def _unreachable(exc: BaseException) -> UpstreamError:
+    api = APIError(502, f"worker unreachable: {exc}", code="worker_error")
+    return UpstreamError(f"unreachable: {exc!r}", retryable=True, api_error=api)
+
+
+def _timeout() -> UpstreamError:
+    return UpstreamError(
+        "timed out",
+        retryable=False,
+        api_error=APIError(504, "the request timed out", code="timeout"),
+    )
+
+
+def _detail(raw: bytes) -> str:
+    try:
+        data = json.loads(raw)
+        return str(data.get("error", {}).get("message") or data)[:500]
+    except (ValueError, AttributeError):
+        return raw.decode("utf-8", "replace")[:500]
+
+
+class _HttpCall:
+    """One streamed completion; the request starts on the first ``read``."""
+
+    def __init__(
+        self, upstream: OpenAIHTTPUpstream, url: str, body: dict[str, Any], timeout_s: float
+    ):
+        self._upstream = upstream
+        self._url = url
+        self._body = body
+        self._timeout_s = timeout_s
+        self._resp: aiohttp.ClientResponse | None = None
+        self._finish: Chunk | None = None  # a finished chunk waiting for the usage chunk
+        self._done = False
+        self._cancelled = False
+
+    async def read(self) -> Chunk | None:
+        if self._done:
+            return None
+        if self._cancelled:
+            raise UpstreamError("cancelled", retryable=False, api_error=APIError(499, "cancelled"))
+        try:
+            if self._resp is None:
+                await self._open()
+            return await self._next()
+        except TimeoutError as exc:
+            self.cancel()
+            raise _timeout() from exc
+        except aiohttp.ClientError as exc:
+            self.cancel()
+            raise _unreachable(exc) from exc
+
+    async def _open(self) -> None:
+        session = self._upstream.session()
+        timeout = aiohttp.ClientTimeout(
+            total=self._timeout_s, sock_connect=self._upstream.connect_timeout_s
+        )
+        resp = await session.post(self._url, json=self._body, timeout=timeout)
+        if resp.status != 200:
+            detail = _detail(await resp.read())
+            resp.release()
+            raise _error(resp.status, detail)
+        self._resp = resp
+
+    async def _next(self) -> Chunk | None:
+        assert self._resp is not None
+        while True:
+            raw = await self._resp.content.readline()
+            if not raw:  # the worker closed the stream
+                return self._end(None)
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return self._end(None)
+            try:
+                msg = json.loads(data)
+            except ValueError:
+                logger.warning("worker %s sent an undecodable SSE line: %r", self._url, data[:200])
+                continue
+            if "error" in msg:
+                err = msg["error"] if isinstance(msg["error"], dict) else {"message": msg["error"]}
+                raise _error(int(err.get("code") or 500), str(err.get("message")))
+            usage = msg.get("usage")
+            if usage and self._finish is not None:
+                details = usage.get("prompt_tokens_details") or {}
+                return self._end(int(details.get("cached_tokens") or 0))
+            for choice in msg.get("choices") or ():
+                ids = [int(t) for t in choice.get("token_ids") or ()]
+                reason = choice.get("finish_reason")
+                if reason:
+                    self._finish = Chunk(ids, True, _FINISH_REASONS.get(str(reason), "stop"))
+                elif ids:
+                    return Chunk(ids)
+
+    def _end(self, cached_tokens: int | None) -> Chunk | None:
+        """The held finished chunk (with usage if it came), then None."""
+        self._done = True
+        self._close()
+        if self._finish is None:
+            # The stream ended without a finish_reason: the worker went away mid-answer.
+            raise _unreachable(ConnectionError("stream ended before the answer finished"))
+        f = self._finish
+        return Chunk(f.token_ids, True, f.finish_reason, cached_tokens)
+
+    def cancel(self) -> None:
+        """Closes the connection: vLLM aborts a request whose client went away."""
+        self._cancelled = not self._done
+        self._close()
+
+    def _close(self) -> None:
+        if self._resp is not None:
+            self._resp.close()
+            self._resp = None
+
+
+class OpenAIHTTPUpstream:
+    """Streams completions from OpenAI-compatible workers over one pooled HTTP session."""
+
+    def __init__(self, *, connect_timeout_s: float = 2.0) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+            self._session = aiohttp.ClientSession(connector=connector)
+        return self._session
+
+    def start(
+        self, worker_id: str, address: str, generation: Generation, timeout_s: float
+    ) -> _HttpCall:
+        """A call to ``address`` (the worker's base URL; ``host:port`` means http)."""
+        base = address if "://" in address else f"http://{address}"
+        return _HttpCall(
+            self, f"{base.rstrip('/')}/v1/completions", completion_body(generation), timeout_s
+        )
+
+    def forget(self, worker_id: str) -> None:
+        """Nothing per worker: connections are pooled by address and expire on their own."""
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

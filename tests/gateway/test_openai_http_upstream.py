@@ -1,0 +1,184 @@
+"""The openai-http upstream against a fake ``/v1/completions`` on port 0 (vLLM's stream shape).
+
+The chunk shapes are the ones vLLM 0.32 streams (docs/VLLM.md); tests/vllm runs
+the same upstream against real vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from gateway.upstream.base import Chunk, Generation, UpstreamError
+from gateway.upstream.openai_http import OpenAIHTTPUpstream, completion_body
+
+GEN = Generation(
+    request_id="r1",
+    prompt_ids=[1, 2, 3],
+    max_tokens=3,
+    temperature=0.0,
+    top_p=0.0,
+    top_k=0,
+    seed=7,
+    ignore_eos=False,
+    stop_token_ids=(2,),
+    cache_salt="tenant-a",
+)
+
+
+def _chunk(ids: list[int], finish: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "text": "x", "finish_reason": finish, "token_ids": ids}]}
+
+
+USAGE = {
+    "choices": [],
+    "usage": {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    },
+}
+
+
+class FakeWorker:
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.script: list[Any] = []
+        self.status = 200
+        self.closed_early = asyncio.Event()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        if self.status != 200:
+            return web.json_response(
+                {"error": {"message": "nope", "code": self.status}}, status=self.status
+            )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for item in self.script:
+                if item == "sleep":  # hold the stream open until the client goes away
+                    for _ in range(100):
+                        if request.transport is None or request.transport.is_closing():
+                            self.closed_early.set()
+                            return resp
+                        await asyncio.sleep(0.05)
+                    continue
+                if item == "cut":
+                    return resp  # ends the stream without [DONE] or a finish
+                data = item if isinstance(item, str) else json.dumps(item)
+                await resp.write(f"data: {data}\n\n".encode())
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.closed_early.set()
+            raise
+        return resp
+
+
+@pytest.fixture
+async def worker() -> AsyncIterator[tuple[FakeWorker, str]]:
+    fake = FakeWorker()
+    app = web.Application()
+    app.router.add_post("/v1/completions", fake.completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield fake, f"127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+async def _all(upstream: OpenAIHTTPUpstream, address: str) -> list[Chunk]:
+    call = upstream.start("w", address, GEN, 10.0)
+    out = []
+    while (c := await call.read()) is not None:
+        out.append(c)
+    return out
+
+
+def test_request_body_carries_token_ids_and_sampling() -> None:
+    body = completion_body(GEN)
+    assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 3
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert body["return_token_ids"] is True
+    assert body["top_p"] == 1.0 and body["top_k"] == 0  # 0 = off in kvroute, vLLM's off values
+    assert body["seed"] == 7 and body["stop_token_ids"] == [2] and body["cache_salt"] == "tenant-a"
+    assert "cache_salt" not in completion_body(Generation(**{**GEN.__dict__, "cache_salt": ""}))
+    assert "model" not in body  # vLLM serves one model and takes it as the default
+
+
+async def test_stream_maps_tokens_finish_and_cached_tokens(worker: tuple[FakeWorker, str]) -> None:
+    fake, address = worker
+    usage = json.loads(json.dumps(USAGE))
+    usage["usage"]["prompt_tokens_details"]["cached_tokens"] = 32
+    fake.script = [_chunk([5]), _chunk([]), _chunk([6, 7]), _chunk([8], "length"), usage, "[DONE]"]
+    up = OpenAIHTTPUpstream()
+    chunks = await _all(up, address)
+    await up.close()
+    assert chunks == [
+        Chunk([5]),
+        Chunk([6, 7]),
+        Chunk([8], finished=True, finish_reason="length", cached_tokens=32),
+    ]
+    assert fake.bodies[0]["prompt"] == [1, 2, 3]
+
+
+async def test_unknown_finish_reasons_become_stop(worker: tuple[FakeWorker, str]) -> None:
+    fake, address = worker
+    fake.script = [_chunk([2], "repetition"), "[DONE]"]  # no usage chunk at all
+    up = OpenAIHTTPUpstream()
+    assert await _all(up, address) == [Chunk([2], True, "stop", None)]
+    await up.close()
+
+
+@pytest.mark.parametrize(
+    ("status", "retryable", "client_status"),
+    [(400, False, 400), (503, True, 502), (404, True, 502)],
+)
+async def test_http_errors_before_the_first_token(
+    worker: tuple[FakeWorker, str], status: int, retryable: bool, client_status: int
+) -> None:
+    fake, address = worker
+    fake.status = status
+    up = OpenAIHTTPUpstream()
+    with pytest.raises(UpstreamError) as info:
+        await _all(up, address)
+    await up.close()
+    assert info.value.retryable is retryable
+    assert info.value.api_error.status == client_status
+
+
+async def test_unreachable_worker_is_retryable() -> None:
+    up = OpenAIHTTPUpstream(connect_timeout_s=0.5)
+    with pytest.raises(UpstreamError) as info:
+        await _all(up, "http://127.0.0.1:9")  # discard port: nothing listens
+    await up.close()
+    assert info.value.retryable
+
+
+async def test_a_stream_cut_mid_answer_is_an_error(worker: tuple[FakeWorker, str]) -> None:
+    fake, address = worker
+    fake.script = [_chunk([5]), "cut"]
+    up = OpenAIHTTPUpstream()
+    call = up.start("w", address, GEN, 10.0)
+    assert await call.read() == Chunk([5])
+    with pytest.raises(UpstreamError):
+        await call.read()
+    await up.close()
+
+
+async def test_cancel_closes_the_connection(worker: tuple[FakeWorker, str]) -> None:
+    fake, address = worker
+    fake.script = [_chunk([5]), "sleep", _chunk([6], "stop")]
+    up = OpenAIHTTPUpstream()
+    call = up.start("w", address, GEN, 10.0)
+    assert await call.read() == Chunk([5])
+    call.cancel()
+    await asyncio.wait_for(fake.closed_early.wait(), 3.0)  # the worker saw its client go
+    await up.close()
