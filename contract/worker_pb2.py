@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\nkvroute.v1\"\x9f\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x94\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvroute.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x11\n\tlora_name\x18\x05 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x93\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.kvroute.v1.Usage\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\x11\n\tworker_id\x18\x06 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"Q\n\x0cHashSpecInfo\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x0c\n\x04lora\x18\x04 \x01(\t\"\xab\x01\n\x0cInfoResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12+\n\thash_spec\x18\x03 \x01(\x0b\x32\x18.kvroute.v1.HashSpecInfo\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\t\"\x0f\n\rHealthRequest\"X\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r2\x8b\x02\n\x06Worker\x12G\n\x08Generate\x12\x1b.kvroute.v1.GenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvroute.v1.AbortRequest\x1a\x19.kvroute.v1.AbortResponse\x12\x39\n\x04Info\x12\x17.kvroute.v1.InfoRequest\x1a\x18.kvroute.v1.InfoResponse\x12?\n\x06Health\x12\x19.kvroute.v1.HealthRequest\x1a\x1a.kvroute.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\nkvroute.v1\"\x9f\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x94\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvroute.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x11\n\tlora_name\x18\x05 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x93\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.kvroute.v1.Usage\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\x11\n\tworker_id\x18\x06 \x01(\t\"\x0f\n\rHealthRequest\"X\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r2\x92\x01\n\x06Worker\x12G\n\x08Generate\x12\x1b.kvroute.v1.GenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse0\x01\x12?\n\x06Health\x12\x19.kvroute.v1.HealthRequest\x1a\x1a.kvroute.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,20 +39,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_end=421
   _globals['_GENERATERESPONSE']._serialized_start=424
   _globals['_GENERATERESPONSE']._serialized_end=571
-  _globals['_ABORTREQUEST']._serialized_start=573
-  _globals['_ABORTREQUEST']._serialized_end=607
-  _globals['_ABORTRESPONSE']._serialized_start=609
-  _globals['_ABORTRESPONSE']._serialized_end=639
-  _globals['_INFOREQUEST']._serialized_start=641
-  _globals['_INFOREQUEST']._serialized_end=654
-  _globals['_HASHSPECINFO']._serialized_start=656
-  _globals['_HASHSPECINFO']._serialized_end=737
-  _globals['_INFORESPONSE']._serialized_start=740
-  _globals['_INFORESPONSE']._serialized_end=911
-  _globals['_HEALTHREQUEST']._serialized_start=913
-  _globals['_HEALTHREQUEST']._serialized_end=928
-  _globals['_HEALTHRESPONSE']._serialized_start=930
-  _globals['_HEALTHRESPONSE']._serialized_end=1018
-  _globals['_WORKER']._serialized_start=1021
-  _globals['_WORKER']._serialized_end=1288
+  _globals['_HEALTHREQUEST']._serialized_start=573
+  _globals['_HEALTHREQUEST']._serialized_end=588
+  _globals['_HEALTHRESPONSE']._serialized_start=590
+  _globals['_HEALTHRESPONSE']._serialized_end=678
+  _globals['_WORKER']._serialized_start=681
+  _globals['_WORKER']._serialized_end=827
 # @@protoc_insertion_point(module_scope)

@@ -64,52 +64,6 @@ class GenerateResponse(_message.Message):
     worker_id: str
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_s: _Optional[float] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
-class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
-
-class AbortResponse(_message.Message):
-    __slots__ = ("found",)
-    FOUND_FIELD_NUMBER: _ClassVar[int]
-    found: bool
-    def __init__(self, found: _Optional[bool] = ...) -> None: ...
-
-class InfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class HashSpecInfo(_message.Message):
-    __slots__ = ("block_size", "model", "revision", "lora")
-    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
-    MODEL_FIELD_NUMBER: _ClassVar[int]
-    REVISION_FIELD_NUMBER: _ClassVar[int]
-    LORA_FIELD_NUMBER: _ClassVar[int]
-    block_size: int
-    model: str
-    revision: str
-    lora: str
-    def __init__(self, block_size: _Optional[int] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., lora: _Optional[str] = ...) -> None: ...
-
-class InfoResponse(_message.Message):
-    __slots__ = ("worker_id", "model", "hash_spec", "block_size", "num_blocks", "max_model_len", "epoch")
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    MODEL_FIELD_NUMBER: _ClassVar[int]
-    HASH_SPEC_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
-    worker_id: str
-    model: str
-    hash_spec: HashSpecInfo
-    block_size: int
-    num_blocks: int
-    max_model_len: int
-    epoch: str
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., hash_spec: _Optional[_Union[HashSpecInfo, _Mapping]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
-
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -39,16 +39,6 @@ class WorkerStub:
                 request_serializer=worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/kvroute.v1.Worker/Abort',
-                request_serializer=worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=worker__pb2.AbortResponse.FromString,
-                _registered_method=True)
-        self.Info = channel.unary_unary(
-                '/kvroute.v1.Worker/Info',
-                request_serializer=worker__pb2.InfoRequest.SerializeToString,
-                response_deserializer=worker__pb2.InfoResponse.FromString,
-                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/kvroute.v1.Worker/Health',
                 request_serializer=worker__pb2.HealthRequest.SerializeToString,
@@ -67,20 +57,9 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Info(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Health(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Liveness of the engine behind the server (probes and the reliability checks).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -92,16 +71,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=worker__pb2.GenerateRequest.FromString,
                     response_serializer=worker__pb2.GenerateResponse.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=worker__pb2.AbortRequest.FromString,
-                    response_serializer=worker__pb2.AbortResponse.SerializeToString,
-            ),
-            'Info': grpc.unary_unary_rpc_method_handler(
-                    servicer.Info,
-                    request_deserializer=worker__pb2.InfoRequest.FromString,
-                    response_serializer=worker__pb2.InfoResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -136,60 +105,6 @@ class Worker:
             '/kvroute.v1.Worker/Generate',
             worker__pb2.GenerateRequest.SerializeToString,
             worker__pb2.GenerateResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvroute.v1.Worker/Abort',
-            worker__pb2.AbortRequest.SerializeToString,
-            worker__pb2.AbortResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Info(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvroute.v1.Worker/Info',
-            worker__pb2.InfoRequest.SerializeToString,
-            worker__pb2.InfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -239,6 +239,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     src.add_argument("--turns", type=int, default=4)
     src.add_argument("--groups", type=int, default=8)
     src.add_argument("--prompts-per-group", type=int, default=16)
+    src.add_argument("--zipf", type=float, default=0.0, help="shared-prefix group popularity")
     src.add_argument("--system-tokens", type=int, default=500)
     src.add_argument("--question-tokens", type=int, default=50)
     src.add_argument("--answer-tokens", type=int, default=200)

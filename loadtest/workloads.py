@@ -163,7 +163,12 @@ def chat_workload(cfg: ChatConfig) -> list[Conversation]:
 
 @dataclass(frozen=True)
 class SharedPrefixConfig:
-    """G groups x P prompts; prompts of a group share an S-token system prompt."""
+    """G groups x P prompts; prompts of a group share an S-token system prompt.
+
+    With ``zipf`` > 0 the G x P prompts draw their group from a Zipf law
+    instead (group g with weight 1 / (g + 1) ** zipf): a few long prefixes are
+    hot, most are rare — the traffic where a prefix-threshold router does well.
+    """
 
     groups: int = 8
     prompts_per_group: int = 16
@@ -172,6 +177,7 @@ class SharedPrefixConfig:
     output_tokens: int = 32
     arrival_rate: float = 4.0  # prompts per second, Poisson; groups interleaved at random
     seed: int = 0
+    zipf: float = 0.0  # 0 = every group has exactly prompts_per_group prompts
 
     def __post_init__(self) -> None:
         for name in (
@@ -185,6 +191,8 @@ class SharedPrefixConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if not self.arrival_rate > 0:
             raise ValueError("--arrival-rate must be positive")
+        if self.zipf < 0:
+            raise ValueError("--zipf must be >= 0")
 
 
 def shared_prefix_workload(cfg: SharedPrefixConfig) -> list[Conversation]:
@@ -193,6 +201,10 @@ def shared_prefix_workload(cfg: SharedPrefixConfig) -> list[Conversation]:
     systems = [word_ids(rng, cfg.system_tokens) for _ in range(cfg.groups)]
     pairs = [(g, p) for g in range(cfg.groups) for p in range(cfg.prompts_per_group)]
     rng.shuffle(pairs)
+    if cfg.zipf > 0:
+        weights = [1.0 / (g + 1) ** cfg.zipf for g in range(cfg.groups)]
+        drawn = rng.choices(range(cfg.groups), weights, k=len(pairs))
+        pairs = [(g, p) for p, g in enumerate(drawn)]
     t = 0.0
     convs = []
     for i, (g, p) in enumerate(pairs):
@@ -235,6 +247,7 @@ def synthetic_workload(args: Any) -> list[Conversation]:
             output_tokens=args.answer_tokens,
             arrival_rate=args.arrival_rate,
             seed=args.seed,
+            zipf=getattr(args, "zipf", 0.0),
         )
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import pairwise
 
 import pytest
@@ -117,3 +118,19 @@ def test_shared_prefix_groups() -> None:
 def test_bad_config_names_the_flag(field: str, flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
         ChatConfig(**{field: 0})
+
+
+def test_zipf_shared_prefix_makes_a_few_prefixes_hot() -> None:
+    from collections import Counter
+
+    from loadtest.workloads import SharedPrefixConfig, shared_prefix_workload
+
+    cfg = SharedPrefixConfig(
+        groups=8, prompts_per_group=16, system_tokens=8, question_tokens=4, zipf=1.2
+    )
+    convs = shared_prefix_workload(cfg)
+    assert [c.conv_id for c in convs] == [c.conv_id for c in shared_prefix_workload(cfg)]
+    counts = Counter(c.conv_id[:4] for c in convs)
+    assert len(convs) == 128 and counts["g000"] >= 3 * counts["g007"] > 0
+    uniform = Counter(c.conv_id[:4] for c in shared_prefix_workload(replace(cfg, zipf=0.0)))
+    assert set(uniform.values()) == {16}

@@ -101,9 +101,7 @@ class Stack:
 
     async def start(self) -> Stack:
         self.engine.start()
-        service = WorkerService(
-            self.engine, worker_id=self.worker_id, hash_spec=self.spec, epoch=self.publisher.epoch
-        )
+        service = WorkerService(self.engine, worker_id=self.worker_id)
         self.grpc_server, self.grpc_port = await start_grpc_server(service, "127.0.0.1", 0)
         app = create_app(
             self.engine,
@@ -222,24 +220,6 @@ async def test_cancelled_call_aborts_and_frees_blocks(stack: Stack) -> None:
     assert stack.engine.stats().running == 0
 
 
-async def test_abort_rpc_finishes_the_stream_with_abort(stack: Stack) -> None:
-    request = pb.GenerateRequest(
-        request_id="r-abort",
-        prompt_token_ids=random_ids(50, 7),
-        sampling=pb.SamplingParams(max_tokens=1000, ignore_eos=True),
-    )
-    call = stack.stub.Generate(request)
-    await call.read()
-    assert (await stack.stub.Abort(pb.AbortRequest(request_id="r-abort"))).found
-    rest = []
-    while (chunk := await call.read()) is not grpc.aio.EOF:
-        rest.append(chunk)
-    assert rest[-1].finished and rest[-1].finish_reason == "abort"
-    assert rest[-1].usage.completion_tokens < 1000
-    await stack.wait_idle()
-    assert not (await stack.stub.Abort(pb.AbortRequest(request_id="nope"))).found
-
-
 @pytest.mark.parametrize(
     ("prompt", "sampling", "needle"),
     [
@@ -271,16 +251,7 @@ async def test_a_stopped_engine_answers_unavailable(stack: Stack) -> None:
         assert (await resp.json())["error"]["type"] == "service_unavailable"
 
 
-async def test_info_and_health(stack: Stack) -> None:
-    info = await stack.stub.Info(pb.InfoRequest())
-    assert (info.worker_id, info.model, info.block_size, info.num_blocks) == (
-        stack.worker_id,
-        "tiny",
-        BLOCK,
-        NUM_BLOCKS,
-    )
-    assert info.hash_spec.model == "tiny" and info.epoch == stack.publisher.epoch
-    assert info.max_model_len == NUM_BLOCKS * BLOCK
+async def test_health(stack: Stack) -> None:
     health = await stack.stub.Health(pb.HealthRequest())
     assert health.serving and health.free_blocks == NUM_BLOCKS and health.running == 0
 
@@ -313,7 +284,7 @@ async def test_grpc_over_tls(runner, tmp_path: Path) -> None:
     )
     engine = Engine(runner, EngineConfig(), hash_spec=HashSpec(BLOCK, "tiny"))
     engine.start()
-    service = WorkerService(engine, worker_id="tls", hash_spec=HashSpec(BLOCK, "tiny"))
+    service = WorkerService(engine, worker_id="tls")
     server, port = await start_grpc_server(service, "127.0.0.1", 0, tls_cert=cert, tls_key=key)
     creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
     try:

@@ -138,9 +138,7 @@ class WorkerProcess:
         if cfg.pin_system_prompt is not None:
             await self._pin(tokenizer, cfg.pin_system_prompt)
 
-        service = WorkerService(
-            self.engine, worker_id=cfg.worker_id, hash_spec=spec, epoch=self.publisher.epoch
-        )
+        service = WorkerService(self.engine, worker_id=cfg.worker_id)
         self.grpc_server, self.grpc_port = await start_grpc_server(
             service, cfg.host, cfg.grpc_port, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
         )

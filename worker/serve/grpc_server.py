@@ -20,7 +20,6 @@ import grpc
 
 from contract import worker_pb2 as pb
 from contract import worker_pb2_grpc
-from contract.hashing import HashSpec
 from worker.engine.core import EngineError
 from worker.engine.sequence import SamplingParams
 
@@ -49,13 +48,9 @@ def sampling_from_proto(
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     """Serves one engine over gRPC."""
 
-    def __init__(
-        self, engine: Any, *, worker_id: str, hash_spec: HashSpec, epoch: str = ""
-    ) -> None:
+    def __init__(self, engine: Any, *, worker_id: str) -> None:
         self.engine = engine
         self.worker_id = worker_id
-        self.hash_spec = hash_spec
-        self.epoch = epoch
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -104,28 +99,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 if stream is not None:
                     await _close(stream)
                 self.engine.abort(request_id)
-
-    async def Abort(
-        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AbortResponse:
-        return pb.AbortResponse(found=bool(self.engine.abort(request.request_id)))
-
-    async def Info(
-        self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
-    ) -> pb.InfoResponse:
-        spec = self.hash_spec
-        stats = self.engine.stats()
-        return pb.InfoResponse(
-            worker_id=self.worker_id,
-            model=spec.model,
-            hash_spec=pb.HashSpecInfo(
-                block_size=spec.block_size, model=spec.model, revision=spec.revision, lora=spec.lora
-            ),
-            block_size=spec.block_size,
-            num_blocks=int(stats.num_blocks),
-            max_model_len=int(self.engine.max_model_len),
-            epoch=self.epoch,
-        )
 
     async def Health(
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
