@@ -45,6 +45,8 @@ _FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("--api-keys-file", str, "", "JSON of bearer key -> tenant (optional)"),
     ("--grpc-tls-ca", str, "", "PEM CA bundle: dial workers over gRPC TLS (optional)"),
     ("--log-level", str, "info", "one of " + ", ".join(LOG_LEVELS)),
+    ("--index-max-entries", int, 0, "memory bound: (worker, block) entries kept (0 = all)"),
+    ("--redis-cluster", str, "false", "true: --redis-url is a node of a Redis Cluster"),
 ]
 
 
@@ -103,7 +105,15 @@ def config_from_args(argv: list[str]) -> GatewayConfig:
         api_keys_file=Path(v["--api-keys-file"]) if v["--api-keys-file"] else None,
         grpc_tls_ca=Path(v["--grpc-tls-ca"]) if v["--grpc-tls-ca"] else None,
         log_level=v["--log-level"].lower(),
+        index_max_entries=v["--index-max-entries"],
+        redis_cluster=_flag_bool("--redis-cluster", v["--redis-cluster"]),
     )
+
+
+def _flag_bool(flag: str, raw: str) -> bool:
+    if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"{flag}: expected true or false, got {raw!r}")
+    return raw.lower() in ("true", "1", "yes")
 
 
 async def serve(config: GatewayConfig) -> None:

@@ -35,6 +35,8 @@ class GatewayConfig:
     tokenizer_cache_entries: int = 1024
     tokenizer_cache_tokens: int = 8_000_000
     executor_min_chars: int = 4096  # longer uncached suffixes are tokenized off the loop
+    index_max_entries: int = 0  # (worker, block) entries the index keeps; 0 = unbounded
+    redis_cluster: bool = False  # --redis-url is a node of a Redis Cluster
 
     def __post_init__(self) -> None:
         RedisLayout(self.redis_namespace)  # validates --redis-namespace
@@ -52,6 +54,7 @@ class GatewayConfig:
             (self.log_level.lower() in LOG_LEVELS, f"--log-level: one of {LOG_LEVELS}"),
             (self.registry_poll_s > 0, "registry_poll_s must be > 0"),
             (self.max_retries >= 0, "max_retries must be >= 0"),
+            (self.index_max_entries >= 0, "--index-max-entries must be >= 0"),
             (
                 self.redis_url.startswith(("redis://", "rediss://", "unix://")),
                 "--redis-url must start with redis://, rediss:// or unix://",

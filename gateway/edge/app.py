@@ -100,6 +100,14 @@ def refresh_gauges(state: GatewayState) -> None:
     m = state.metrics
     healthy = state.dispatcher.healthy()
     m.healthy_workers.set(len(healthy))
+    size = state.index.stats()
+    for gauge, value in (
+        (m.index_entries, size.entries),
+        (m.index_hashes, size.hashes),
+        (m.index_bytes, size.bytes),
+        (m.index_evictions, size.evictions),
+    ):
+        gauge.set(value)
     for wid, entry in state.mirror.workers.items():
         m.index_blocks.labels(wid).set(state.index.block_count(wid))
         m.index_event_lag.labels(wid).set(entry.event_lag_s)
@@ -150,7 +158,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
             cache_tokens=config.tokenizer_cache_tokens,
             executor_min_chars=config.executor_min_chars,
         )
-    index = BlockIndex()
+    index = BlockIndex(max_entries=config.index_max_entries)
     upstreams: dict[str, Upstream] = {
         "grpc": GrpcUpstream(
             config.grpc_tls_ca.read_bytes() if config.grpc_tls_ca else None,
@@ -166,6 +174,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         config.layout,
         index,
         poll_s=config.registry_poll_s,
+        cluster=config.redis_cluster,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
     )
     dispatcher = Dispatcher(

@@ -71,6 +71,18 @@ class GatewayMetrics:
             ["worker"],
             registry=r,
         )
+        self.index_entries = Gauge(
+            p + "index_entries", "(worker, block) entries in the index", registry=r
+        )
+        self.index_hashes = Gauge(
+            p + "index_hashes", "Distinct block hashes in the index", registry=r
+        )
+        self.index_bytes = Gauge(p + "index_bytes", "Estimated memory of the index", registry=r)
+        self.index_evictions = Gauge(
+            p + "index_evicted_entries",
+            "Entries dropped by --index-max-entries since start (monotonic)",
+            registry=r,
+        )
         self.healthy_workers = Gauge(
             p + "healthy_workers", "Workers the gateway routes to", registry=r
         )
