@@ -295,9 +295,9 @@ async def test_grpc_over_tls(runner, tmp_path: Path) -> None:
             with pytest.raises(grpc.aio.AioRpcError):
                 await worker_pb2_grpc.WorkerStub(plain).Health(pb.HealthRequest(), timeout=2)
         # The gateway's worker clients dial the same server over TLS with --grpc-tls-ca.
-        from gateway.upstream.grpc_worker import WorkerClients
+        from gateway.upstream.grpc_worker import GrpcUpstream
 
-        clients = WorkerClients(tls_ca=cert.read_bytes())
+        clients = GrpcUpstream(tls_ca=cert.read_bytes())
         try:
             stub = clients.stub("tls", f"localhost:{port}")
             assert (await stub.Health(pb.HealthRequest(), timeout=5)).serving
