@@ -14,8 +14,9 @@ Hooks, all called on the engine thread and required not to block:
 
 - ``on_events(events)``: once per step (or command) that changed the cache,
   with that step's ``contract.events``, while ``_lock`` is held, so a
-  ``resident_block_hashes()`` snapshot always equals "all events delivered
-  so far" applied in order.
+  ``resident_block_hashes()`` snapshot equals all events handed to
+  ``on_events`` so far, applied in order. It is not what Redis holds: the
+  publisher sends those events later, from its own queue.
 - ``on_request_finished(output, timings)``: once per finished request (any
   reason), with its ``RequestTimings`` (queue time, TTFT, every
   inter-token latency, end to end). Register more with
