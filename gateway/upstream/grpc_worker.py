@@ -1,8 +1,13 @@
 """The gRPC upstream: kvroute workers, one ``grpc.aio`` channel per worker, reused.
 
 A channel is created on first use and replaced when the worker's address
-changes; it is closed when the worker leaves the registry. gRPC statuses map
-to ``UpstreamError``s here, so nothing above this module imports grpc.
+changes. When the worker leaves the registry (a drain deregisters first) the
+channel takes no new calls but stays open for the calls still streaming on it,
+up to ``drain_s`` (the request timeout): a rolling restart never cuts a
+stream. gRPC statuses map to ``UpstreamError``s here, and so does a call that
+ends in ``CancelledError`` although nobody cancelled the reading task (grpc
+raises that when a channel closes under a call), so nothing above this module
+imports grpc and no stream ends without an error event.
 """
 
 from __future__ import annotations
@@ -79,17 +84,31 @@ def _request(g: Generation) -> worker_pb2.GenerateRequest:
     )
 
 
+def _cut_off() -> UpstreamError:
+    return UpstreamError(
+        "the call was cancelled by its channel",
+        retryable=True,
+        api_error=APIError(502, "the connection to the worker was lost", code="worker_error"),
+    )
+
+
 class _GrpcCall:
     """One ``Generate`` stream as ``Chunk``s."""
 
     def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
         self._call = call
+        self._cancelled = False
 
     async def read(self) -> Chunk | None:
         try:
             msg = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             raise _upstream_error(exc) from exc
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._cancelled or (task is not None and task.cancelling()):
+                raise  # our own cancel(), or the request's task is being cancelled
+            raise _cut_off() from None
         if msg is grpc.aio.EOF:
             return None
         cached = None
@@ -103,17 +122,19 @@ class _GrpcCall:
         )
 
     def cancel(self) -> None:
+        self._cancelled = True
         self._call.cancel()
 
 
 class GrpcUpstream:
     """Worker id -> a live stub on a channel to that worker's address."""
 
-    def __init__(self, tls_ca: bytes | None = None) -> None:
+    def __init__(self, tls_ca: bytes | None = None, *, drain_s: float = 600.0) -> None:
+        self.drain_s = drain_s  # how long a forgotten channel stays open for its calls
         # With a CA bundle every worker channel is TLS, verified against it.
         self._credentials = grpc.ssl_channel_credentials(tls_ca) if tls_ca else None
         self._channels: dict[str, tuple[str, grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
-        self._closing: set[asyncio.Task[None]] = set()
+        self._closing: dict[asyncio.Task[None], grpc.aio.Channel] = {}
 
     def stub(self, worker_id: str, address: str) -> worker_pb2_grpc.WorkerStub:
         """The stub for ``worker_id`` at ``address`` (a new channel if the address moved)."""
@@ -138,7 +159,12 @@ class GrpcUpstream:
         return _GrpcCall(stub.Generate(_request(generation), timeout=timeout_s))
 
     def forget(self, worker_id: str) -> None:
-        """Closes the channel of a worker that went away (in the background)."""
+        """Retires the channel of a worker that left: no new calls; running ones finish.
+
+        ``Channel.close(grace)`` waits for the calls in flight on it (up to
+        ``drain_s``) before cancelling them, so a draining worker's streams
+        run to completion; a dead worker's streams fail on their own first.
+        """
         entry = self._channels.pop(worker_id, None)
         if entry is not None:
             self._close_later(entry[1])
@@ -147,8 +173,12 @@ class GrpcUpstream:
         """Closes every channel."""
         channels = [c for _, c, _ in self._channels.values()]
         self._channels.clear()
+        # Retiring channels too: the gateway is stopping, it waits for nobody's drain.
+        channels += list(self._closing.values())
         for channel in channels:
             await channel.close(grace=None)
+        for task in list(self._closing):
+            task.cancel()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
@@ -156,6 +186,6 @@ class GrpcUpstream:
         return len(self._channels)
 
     def _close_later(self, channel: grpc.aio.Channel) -> None:
-        task = asyncio.get_running_loop().create_task(channel.close(grace=1.0))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        task = asyncio.get_running_loop().create_task(channel.close(grace=self.drain_s))
+        self._closing[task] = channel
+        task.add_done_callback(lambda t: self._closing.pop(t, None))

@@ -4,7 +4,9 @@ Startup: resolve the model folder → model runner → engine thread → (pinned
 system prompt) → gRPC server → HTTP front → Redis publisher. Redis being
 unreachable does not stop the worker from serving; the publisher keeps
 retrying. SIGTERM/SIGINT stop it gracefully: deregister from Redis first (so
-gateways stop routing here), then drain the servers, then stop the engine.
+gateways stop routing here), then drain both servers at once, letting
+in-flight requests finish for up to ``--drain-grace-s`` (the pod's
+termination grace), then stop the engine.
 """
 
 from __future__ import annotations
@@ -22,8 +24,6 @@ from contract.redis_layout import WorkerRecord
 from worker.serve.config import WorkerConfig, config_from_args
 
 logger = logging.getLogger(__name__)
-
-GRPC_GRACE_S = 5.0
 
 
 def _host_port(host: str, port: int) -> str:
@@ -152,8 +152,11 @@ class WorkerProcess:
                 model_name=cfg.served_model_name,
                 worker_id=cfg.worker_id,
                 metrics=metrics,
+                trust_body_salt=cfg.trust_body_salt,
             )
-            self.http_runner, self.http_port = await start_http_server(app, cfg.host, cfg.http_port)
+            self.http_runner, self.http_port = await start_http_server(
+                app, cfg.host, cfg.http_port, shutdown_timeout_s=cfg.drain_grace_s
+            )
             http_address = _host_port(cfg.advertised_host, self.http_port)
         self.publisher.update_record(
             address=_host_port(cfg.advertised_host, self.grpc_port), http_address=http_address
@@ -179,10 +182,20 @@ class WorkerProcess:
         """Deregisters, drains the servers, stops the engine; safe after a partial start."""
         if self.publisher is not None:
             await self.publisher.stop(deregister=True)
+        # New calls are refused from here on (gateways retry them elsewhere before
+        # their first token); calls in flight run to completion within the grace.
+        drains = []
         if self.grpc_server is not None:
-            await self.grpc_server.stop(GRPC_GRACE_S)
+            drains.append(self.grpc_server.stop(self.config.drain_grace_s))
         if self.http_runner is not None:
-            await self.http_runner.cleanup()
+            drains.append(self.http_runner.cleanup())
+        if drains:
+            logger.info(
+                "worker %s draining (up to %.0f s)",
+                self.config.worker_id,
+                self.config.drain_grace_s,
+            )
+            await asyncio.gather(*drains)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
         logger.info("worker %s stopped", self.config.worker_id)

@@ -67,6 +67,11 @@ class WorkerConfig:
     engine: str = "torch"  # "emulated": a benchmark instrument, see worker/model/emulated.py
     profile: str = ""  # the emulated engine's time model (a name in worker/model/profiles)
     emulated_time_scale: float = 1.0
+    # SIGTERM: deregister, then finish in-flight requests up to this long (the
+    # chart's terminationGracePeriodSeconds; Kubernetes kills the pod after it).
+    drain_grace_s: float = 60.0
+    trust_body_salt: bool = False  # the HTTP front honours a body's cache_salt
+    engine_stall_s: float = 10.0  # /health fails when the engine has not stepped this long
 
     def validate(self) -> WorkerConfig:
         """Returns ``self`` or raises ``ValueError`` naming the flag that is wrong."""
@@ -119,6 +124,9 @@ class WorkerConfig:
         if self.engine != "emulated" and self.profile:
             raise ValueError("--profile needs --engine emulated")
         _positive("--emulated-time-scale", self.emulated_time_scale)
+        if self.drain_grace_s < 0:
+            raise ValueError(f"--drain-grace-s {self.drain_grace_s}: must be >= 0")
+        _positive("--engine-stall-s", self.engine_stall_s)
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
         return self
@@ -214,6 +222,23 @@ _FLAGS: dict[str, tuple[str, Callable[[str], object], str]] = {
         "emulated_time_scale",
         float,
         "emulated engine: multiply every step's time (slow a GPU profile down to fit a CPU)",
+    ),
+    "--drain-grace-s": (
+        "drain_grace_s",
+        float,
+        "on SIGTERM: deregister, then finish in-flight requests for up to this many seconds "
+        "(set it to the pod's terminationGracePeriodSeconds)",
+    ),
+    "--trust-body-salt": (
+        "trust_body_salt",
+        _bool,
+        "true: the HTTP front honours cache_salt in a request body (only when nothing "
+        "untrusted can reach the port; otherwise tenants could probe each other's cache)",
+    ),
+    "--engine-stall-s": (
+        "engine_stall_s",
+        float,
+        "health checks fail when the engine thread has not stepped for this many seconds",
     ),
 }
 

@@ -117,10 +117,15 @@ def create_app(
 
 
 async def start_http_server(
-    app: web.Application, host: str, port: int
+    app: web.Application, host: str, port: int, *, shutdown_timeout_s: float = 60.0
 ) -> tuple[web.AppRunner, int]:
-    """Serves ``app``; a client that disconnects cancels its handler (and so its request)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    """Serves ``app``; a client that disconnects cancels its handler (and so its request).
+
+    ``runner.cleanup()`` lets requests in flight finish for ``shutdown_timeout_s``.
+    """
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
