@@ -43,7 +43,7 @@ _EMPTY = -1  # holder value of a never-used slot (ends a probe)
 _TOMB = -2  # holder value of a deleted slot (a probe walks past it)
 _SHARED = -3  # holders are in the shard's ``shared`` dict as a bitset
 _MAX_LOAD = 0.7  # used slots (live + tombstones) per slot before a rebuild
-_MIN_CAP = 256  # 1024 shards x 256 slots x 16 B: 4 MB before the first entry
+_MIN_CAP = 64  # 1024 shards x 64 slots x 16 B: 1 MB before the first entry
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,9 @@ class _Shard:
             keep &= ~np.isin(vals, dead)
         k, v, t = keys[keep], vals[keep], ticks[keep]
         cap = _MIN_CAP
-        while cap * 0.35 < len(k):
+        # Small shards grow 4x at a time: a numpy rebuild has a fixed cost.
+        need = len(k) * (3 if len(k) < 1024 else 1)
+        while cap * 0.4 < need:
             cap *= 2
         new_keys = np.zeros(cap, dtype=np.uint64)
         new_vals = np.full(cap, _EMPTY, dtype=np.int32)
