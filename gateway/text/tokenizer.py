@@ -111,13 +111,6 @@ class ChatTokenizer:
             return list(self._fast.encode(text, add_special_tokens=add_special_tokens).ids)
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Ids of the rendered chat, reusing cached prefixes (synchronous)."""
-        text = self.render(messages)
-        if self.prefix_cache is None:
-            return self.encode_text(text)
-        return self.prefix_cache.encode(text, self.encode_text).ids
-
     async def aencode_rendered(self, text: str) -> Prompt:
         """Ids of an already rendered chat; a long uncached suffix goes to an executor."""
         cache = self.prefix_cache

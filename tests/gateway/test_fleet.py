@@ -262,7 +262,7 @@ def test_gateway_ids_equal_worker_ids(fleet: Fleet) -> None:
             messages.append({"role": "system", "content": "".join(rng.choices(pieces, k=5))})
         for _turn in range(rng.randint(1, 4)):
             messages.append({"role": "user", "content": "".join(rng.choices(pieces, k=8))})
-            ours = tok.encode_chat(messages)
+            ours = asyncio.run(tok.aencode_rendered(tok.render(messages))).ids
             theirs = _post(worker_http + "/v1/chat/completions/render", {"messages": messages})
             assert ours == theirs["token_ids"]
             messages.append({"role": "assistant", "content": "".join(rng.choices(pieces, k=6))})
