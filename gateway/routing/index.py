@@ -83,16 +83,17 @@ class StagedSet:
 
 
 class _Shard:
-    """One open-addressing table: key, holder and last-use tick per slot."""
+    """One open-addressing table: key, holder and (with a memory bound) last-use tick per slot."""
 
     __slots__ = ("cap", "keys", "live", "mask", "shared", "ticks", "used", "vals")
 
-    def __init__(self, cap: int = _MIN_CAP) -> None:
+    def __init__(self, ticks: bool, cap: int = _MIN_CAP) -> None:
         self.cap = cap
         self.mask = cap - 1
         self.keys = np.zeros(cap, dtype=np.uint64).data
         self.vals = np.full(cap, _EMPTY, dtype=np.int32).data
-        self.ticks = np.zeros(cap, dtype=np.uint32).data
+        # Ticks only matter to eviction: an unbounded index saves 4 bytes a slot.
+        self.ticks = np.zeros(cap, dtype=np.uint32).data if ticks else None
         self.used = 0  # slots not _EMPTY
         self.live = 0  # slots holding a key (not _EMPTY, not _TOMB)
         self.shared: dict[int, int] = {}
@@ -129,11 +130,11 @@ class _Shard:
         """Re-hashes live slots into a table sized for them (dead ordinals dropped)."""
         keys = np.asarray(self.keys)
         vals = np.asarray(self.vals)
-        ticks = np.asarray(self.ticks)
         keep = (vals >= 0) | (vals == _SHARED)
         if dead is not None and dead.size:
             keep &= ~np.isin(vals, dead)
-        k, v, t = keys[keep], vals[keep], ticks[keep]
+        k, v = keys[keep], vals[keep]
+        t = np.asarray(self.ticks)[keep] if self.ticks is not None else None
         cap = _MIN_CAP
         # Small shards grow 4x at a time: a numpy rebuild has a fixed cost.
         need = len(k) * (3 if len(k) < 1024 else 1)
@@ -141,7 +142,7 @@ class _Shard:
             cap *= 2
         new_keys = np.zeros(cap, dtype=np.uint64)
         new_vals = np.full(cap, _EMPTY, dtype=np.int32)
-        new_ticks = np.zeros(cap, dtype=np.uint32)
+        new_ticks = np.zeros(cap, dtype=np.uint32) if t is not None else None
         mask = np.uint64(cap - 1)
         pos = ((k >> np.uint64(_SHARD_BITS)) & mask).astype(np.int64)
         pending = np.arange(len(k))
@@ -153,7 +154,8 @@ class _Shard:
             win = cand[first]
             new_keys[pos[win]] = k[win]
             new_vals[pos[win]] = v[win]
-            new_ticks[pos[win]] = t[win]
+            if new_ticks is not None and t is not None:
+                new_ticks[pos[win]] = t[win]
             lost = np.ones(len(pending), dtype=bool)
             lost[np.flatnonzero(free)[first]] = False
             pending = pending[lost]
@@ -161,11 +163,11 @@ class _Shard:
         self.cap, self.mask = cap, cap - 1
         self.keys = new_keys.data
         self.vals = new_vals.data
-        self.ticks = new_ticks.data
+        self.ticks = new_ticks.data if new_ticks is not None else None
         self.used = self.live = len(k)
 
     def nbytes(self) -> int:
-        return self.cap * 16
+        return self.cap * (16 if self.ticks is not None else 12)
 
 
 class BlockIndex:
@@ -175,7 +177,7 @@ class BlockIndex:
         if max_entries < 0:
             raise ValueError("--index-max-entries must be >= 0 (0 = unbounded)")
         self.max_entries = max_entries
-        self._shards = [_Shard() for _ in range(_SHARDS)]
+        self._shards = [_Shard(ticks=max_entries > 0) for _ in range(_SHARDS)]
         self._ord: dict[str, int] = {}  # worker -> its current ordinal
         self._names: list[str | None] = []  # ordinal -> worker (None: dead or free)
         self._counts: list[int] = []  # ordinal -> live real entries
@@ -259,7 +261,8 @@ class BlockIndex:
                 shard.used += 1
             shard.keys[i] = h
             shard.vals[i] = o
-            shard.ticks[i] = tick
+            if shard.ticks is not None:
+                shard.ticks[i] = tick
             shard.live += 1
             added += 1
             if shard.used > shard.cap * _MAX_LOAD:
@@ -429,7 +432,8 @@ class BlockIndex:
                     break
                 if v != _TOMB and keys[i] == h:
                     bits = (1 << v) if v >= 0 else shard.shared[h]
-                    shard.ticks[i] = tick
+                    if shard.ticks is not None:
+                        shard.ticks[i] = tick
                     break
                 i = (i + 1) & mask
             # 2. speculative holders that have not expired
@@ -547,6 +551,8 @@ class BlockIndex:
     def _evict(self, shard: _Shard) -> None:
         """Drops the least recently looked-up eighth of ``shard``'s entries."""
         vals = np.asarray(shard.vals)
+        if shard.ticks is None:
+            return
         ticks = np.asarray(shard.ticks)
         slots = np.flatnonzero((vals >= 0) | (vals == _SHARED))
         if not slots.size:
