@@ -121,6 +121,7 @@ class WorkerProcess:
                 redis_url=cfg.redis_url,
                 worker_id=cfg.worker_id,
                 namespace=cfg.redis_namespace,
+                cluster=cfg.redis_cluster,
                 heartbeat_interval=cfg.heartbeat_interval,
                 heartbeat_ttl=cfg.heartbeat_ttl,
             ),

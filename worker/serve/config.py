@@ -43,6 +43,7 @@ class WorkerConfig:
     served_model_name: str = ""
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_namespace: str = DEFAULT_NAMESPACE
+    redis_cluster: bool = False  # --redis-url is a node of a Redis Cluster
     worker_id: str = ""
     host: str = "0.0.0.0"
     advertise_host: str = ""
@@ -183,6 +184,7 @@ _FLAGS: dict[str, tuple[str, Callable[[str], object], str]] = {
     ),
     "--redis-url": ("redis_url", str, "redis://[:password@]host:port/db or rediss://..."),
     "--redis-namespace": ("redis_namespace", str, "key prefix shared with the gateways"),
+    "--redis-cluster": ("redis_cluster", _bool, "true: --redis-url is a node of a Redis Cluster"),
     "--worker-id": ("worker_id", str, "unique worker id (default: hostname-pid)"),
     "--host": ("host", str, "interface to bind"),
     "--advertise-host": (
