@@ -169,3 +169,60 @@ def test_router_options_are_typed_and_checked() -> None:
     )
     with pytest.raises(ValueError, match="--router"):
         router_options(["no_such_knob=1"])
+
+
+@pytest.mark.parametrize(
+    ("running", "waiting", "queued", "finished", "pending"),
+    [(3, 2, 500, 0, 0), (3, 2, 500, 1, 0), (3, 2, 500, 4, 0), (1, 0, 90, 1, 40), (0, 0, 0, 0, 70)],
+)
+def test_simulator_sees_load_exactly_as_the_dispatcher(
+    running: int, waiting: int, queued: int, finished: int, pending: int
+) -> None:
+    """Same heartbeat, same finishes since, same pending work: the same ``WorkerState``."""
+    from contract.redis_layout import RedisLayout, WorkerRecord
+    from gateway.observe.metrics import GatewayMetrics
+    from gateway.observe.window_stats import RollingStats
+    from gateway.routing.dispatch import Dispatcher
+    from gateway.routing.index import BlockIndex
+    from gateway.routing.mirror import IndexMirror, WorkerEntry
+    from gateway.routing.router import Router, RouterConfig
+    from gateway.routing.sessions import SessionMap
+
+    index = BlockIndex()
+    mirror = IndexMirror("redis://unused", RedisLayout("t"), index)
+    record = WorkerRecord(
+        worker_id="w0",
+        address="127.0.0.1:1",
+        running=running,
+        waiting=waiting,
+        queued_prefill_tokens=queued,
+        prefill_tokens_per_s=1000.0,
+        updated_at=123.0,
+    )
+    entry = WorkerEntry(record=record, spec=HashSpec(10, "m"), loaded=True)
+    dispatcher = Dispatcher(
+        mirror=mirror,
+        index=index,
+        router=Router(RouterConfig()),
+        upstreams={},
+        sessions=SessionMap(60.0),
+        metrics=GatewayMetrics(),
+        stats=RollingStats(),
+        speculative_ttl_s=0.0,
+        max_queue_per_worker=0,
+        request_timeout_s=1.0,
+        max_retries=0,
+    )
+    dispatcher.state(entry, 0)  # the gateway sees this heartbeat ...
+    load = dispatcher.loads["w0"]
+    load.finished += finished  # ... then sees requests finish ...
+    load.pending_prefill_tokens = pending  # ... and has work not yet started there
+    ours = dispatcher.state(entry, 2)
+
+    sim = FleetSimulation(SimConfig(workers=1, block_size=10, heartbeat_s=1.0))
+    sim.snapshot["w0"] = (running, waiting, queued, 0)
+    sim.finished_at["w0"] = [1.0] * finished
+    sim.pending_prefill["w0"] = pending
+    theirs = sim.worker_state("w0", 2, now=5.0)
+    for field_name in ("running", "waiting", "queued_prefill_tokens", "cached_blocks"):
+        assert getattr(ours, field_name) == getattr(theirs, field_name), field_name
