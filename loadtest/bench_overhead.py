@@ -1,0 +1,484 @@
+"""Router overhead side by side: kvroute's gateway vs sglang-router and vllm-router.
+
+Every router fronts the same *instant* fake workers (no inference: tokens come
+back at once), so what is measured is the router: CPU per request (the router
+process's user + system CPU over the round / requests served), latency at
+c=64 and at c=1, and the most requests per second it sustained. kvroute talks
+gRPC to its fakes (registered in a private Redis with the real publisher);
+the peers talk OpenAI HTTP to theirs. The peers are the Rust binaries from PyPI
+(``loadtest.bench_peers.ensure_peer_venv``), in ``round_robin`` and
+``cache_aware``. Rounds interleave the routers (A/B/A/B), and every figure is
+the median over rounds. The peers do not tokenize; kvroute does.
+
+Workloads: ``chat_small`` (a ~209-token chat, 8 tokens out), ``stream_128``
+(the same chat streamed, 128 tokens, one SSE event per token),
+``chat_6k_repeat`` (one ~6k-token 12-turn chat sent again and again) and
+``chat_6k_cold`` (a different ~6k-token chat every request).
+
+    python -m loadtest.bench_overhead                         # ~10 min
+    python -m loadtest.bench_overhead --routers kvroute --seconds 3 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import psutil
+from aiohttp import web
+
+from contract import worker_pb2 as pb
+from contract import worker_pb2_grpc
+from contract.hashing import HashSpec
+from contract.redis_layout import WorkerRecord
+from loadtest.bench_peers import PeersConfig, ensure_peer_venv
+from loadtest.bench_scale import _FakeEngine, _free_port, _Redis
+from loadtest.words import WORDS
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUTERS = ("kvroute", "sglang_rr", "sglang_cache_aware", "vllm_rr", "vllm_cache_aware")
+WORKLOADS = ("chat_small", "stream_128", "chat_6k_repeat", "chat_6k_cold")
+MODEL = "bench"
+
+
+# -- fake instant workers ------------------------------------------------------------
+
+
+class _InstantGrpc(worker_pb2_grpc.WorkerServicer):
+    """kvroute's worker contract with no engine: ``max_tokens`` tokens, one message each."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+
+    async def Generate(self, request: Any, context: Any) -> Any:
+        n = max(1, request.sampling.max_tokens)
+        for i in range(n - 1):
+            yield pb.GenerateResponse(token_ids=[1000 + i % 500], worker_id=self.worker_id)
+        yield pb.GenerateResponse(
+            token_ids=[1000],
+            finished=True,
+            finish_reason="length",
+            usage=pb.Usage(
+                prompt_tokens=len(request.prompt_token_ids), completion_tokens=n, cached_tokens=0
+            ),
+            worker_id=self.worker_id,
+        )
+
+    async def Health(self, request: Any, context: Any) -> Any:
+        return pb.HealthResponse(serving=True)
+
+
+def _openai_app() -> web.Application:
+    """The OpenAI HTTP shape the peers forward to, answered at once."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 8)
+        created = int(time.time())
+        if not body.get("stream"):
+            return web.json_response(
+                {
+                    "id": "x",
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": MODEL,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": " a" * n},
+                            "finish_reason": "length",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
+                }
+            )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(n):
+            chunk = {
+                "id": "x",
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": MODEL,
+                "choices": [{"index": 0, "delta": {"content": " a"}, "finish_reason": None}],
+            }
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "model_path": MODEL, "is_generation": True})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    for path in ("/health", "/health_generate", "/get_server_info", "/get_model_info"):
+        app.router.add_get(path, ok)
+    return app
+
+
+async def _serve_fakes(workers: int, redis_url: str, namespace: str, ready: Path) -> None:
+    """Runs ``workers`` gRPC fakes (registered) and as many HTTP fakes until killed."""
+    from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
+
+    spec = HashSpec(block_size=16, model=MODEL)
+    urls, pubs = [], []
+    for i in range(workers):
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(_InstantGrpc(f"fake-{i}"), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        record = WorkerRecord(
+            worker_id=f"fake-{i}",
+            address=f"127.0.0.1:{port}",
+            model=MODEL,
+            hash_spec=spec.describe(),
+            block_size=16,
+            max_model_len=32768,
+            prefill_tokens_per_s=10_000.0,
+        )
+        pub = Publisher(
+            _FakeEngine(set()),
+            EventQueue(),
+            PublisherConfig(redis_url, f"fake-{i}", namespace),
+            record,
+        )
+        await pub.start()
+        pubs.append((server, pub))
+        runner = web.AppRunner(_openai_app(), access_log=None)
+        await runner.setup()
+        http_port = _free_port()
+        await web.TCPSite(runner, "127.0.0.1", http_port).start()
+        urls.append(f"http://127.0.0.1:{http_port}")
+    while not all(p.synced for _, p in pubs):
+        await asyncio.sleep(0.05)
+    ready.write_text(json.dumps(urls))
+    await asyncio.Event().wait()
+
+
+# -- workloads -----------------------------------------------------------------------
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def _chat(rng: random.Random, turns: int, words: int) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": _words(rng, 40)}]
+    for t in range(turns):
+        msgs.append({"role": "user", "content": _words(rng, words)})
+        if t < turns - 1:
+            msgs.append({"role": "assistant", "content": _words(rng, words)})
+    return msgs
+
+
+def make_bodies(workload: str, count: int, seed: int) -> list[bytes]:
+    """Request bodies for ``workload`` (one for the repeated ones)."""
+    rng = random.Random(seed)
+    small = _chat(rng, 1, 130)  # ~209 tokens with the template
+    if workload == "chat_small":
+        return [json.dumps({"model": MODEL, "messages": small, "max_tokens": 8}).encode()]
+    if workload == "stream_128":
+        body = {"model": MODEL, "messages": small, "max_tokens": 128, "stream": True}
+        return [json.dumps(body).encode()]
+    long = _chat(rng, 12, 210)  # ~6k tokens over 12 turns
+    if workload == "chat_6k_repeat":
+        return [json.dumps({"model": MODEL, "messages": long, "max_tokens": 8}).encode()]
+    return [
+        json.dumps({"model": MODEL, "messages": _chat(rng, 12, 210), "max_tokens": 8}).encode()
+        for _ in range(count)
+    ]
+
+
+async def _load(url: str, bodies: list[bytes], concurrency: int, seconds: float) -> dict[str, Any]:
+    """Closed loop at ``concurrency`` for ``seconds``: latencies and how many succeeded."""
+    lat: list[float] = []
+    errors = 0
+    stop = time.perf_counter() + seconds
+    cursor = 0
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn) as http:
+
+        async def user() -> None:
+            nonlocal cursor, errors
+            while time.perf_counter() < stop:
+                body = bodies[cursor % len(bodies)]
+                cursor += 1
+                t0 = time.perf_counter()
+                try:
+                    async with http.post(
+                        url + "/v1/chat/completions",
+                        data=body,
+                        headers={"Content-Type": "application/json"},
+                    ) as resp:
+                        await resp.read()
+                        ok = resp.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                if ok:
+                    lat.append((time.perf_counter() - t0) * 1e3)
+                else:
+                    errors += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    return {"latencies_ms": lat, "errors": errors, "elapsed_s": elapsed}
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# -- routers -------------------------------------------------------------------------
+
+
+class Router:
+    """One router process: kvroute's gateway or a peer binary."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log: Path) -> None:
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.ps = psutil.Process(self.proc.pid)
+
+    def cpu_s(self) -> float:
+        total = 0.0
+        for p in [self.ps, *self.ps.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += t.user + t.system
+        return total
+
+    def wait_ready(self, body: bytes, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
+            try:
+                out = asyncio.run(_load(self.url, [body], 1, 0.01))
+                if out["latencies_ms"]:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} never answered a request")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+def _router_cmd(name: str, port: int, redis_url: str, ns: str, urls: list[str]) -> list[str]:
+    if name == "kvroute":
+        return [
+            *(sys.executable, "-m", "kvroute_cli", "gateway", "--model", "smollm2"),
+            *("--served-model-name", MODEL, "--redis-url", redis_url, "--redis-namespace", ns),
+            *("--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"),
+        ]
+    bin_dir = ensure_peer_venv(PeersConfig())
+    policy = "round_robin" if name.endswith("_rr") else "cache_aware"
+    if name.startswith("sglang"):
+        return [
+            *(str(bin_dir / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port)),
+            *("--worker-urls", *urls, "--policy", policy, "--log-level", "warn"),
+        ]
+    return [
+        *(str(bin_dir / "vllm-router"), "--host", "127.0.0.1", "--port", str(port)),
+        *("--worker-urls", *urls, "--policy", policy, "--log-level", "warning"),
+    ]
+
+
+def measure(router: Router, workload: str, bodies: list[bytes], seconds: float) -> dict[str, Any]:
+    """One round of ``workload`` on ``router``: c=64 throughput and CPU, then c=1 latency."""
+    cpu0 = router.cpu_s()
+    hot = asyncio.run(_load(router.url, bodies, 64, seconds))
+    cpu = router.cpu_s() - cpu0
+    n = len(hot["latencies_ms"])
+    c1 = asyncio.run(_load(router.url, bodies, 1, min(2.0, seconds)))
+    return {
+        "cpu_ms_per_request": cpu * 1e3 / max(1, n),
+        "max_rps": n / hot["elapsed_s"],
+        "p50_ms": _pct(hot["latencies_ms"], 0.5),
+        "p99_ms": _pct(hot["latencies_ms"], 0.99),
+        "p50_ms_c1": _pct(c1["latencies_ms"], 0.5),
+        "errors": hot["errors"] + c1["errors"],
+    }
+
+
+def run(routers: list[str], workloads: list[str], rounds: int, seconds: float, workers: int) -> Any:
+    redis = _Redis()
+    tmp = Path(tempfile.mkdtemp(prefix="kvroute-overhead-"))
+    ns = "overhead"
+    ready = tmp / "ready.json"
+    fakes = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import asyncio; from pathlib import Path; "
+            "from loadtest.bench_overhead import _serve_fakes; "
+            f"asyncio.run(_serve_fakes({workers}, {redis.url!r}, {ns!r}, Path({str(ready)!r})))",
+        ],
+        cwd=ROOT,
+    )
+    started: dict[str, Router] = {}
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {r: {} for r in routers}
+    skipped: dict[str, str] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if time.monotonic() > deadline or fakes.poll() is not None:
+                raise RuntimeError("fake workers did not start")
+            time.sleep(0.1)
+        urls = json.loads(ready.read_text())
+        bodies = {w: make_bodies(w, 200, seed=i) for i, w in enumerate(workloads)}
+        direct = {w: _direct_p50(urls[0], bodies[w]) for w in workloads}
+        for name in routers:
+            try:
+                port = _free_port()
+                cmd = _router_cmd(name, port, redis.url, ns, urls)
+                router = Router(name, cmd, port, tmp / f"{name}.log")
+                router.wait_ready(bodies[workloads[0]][0])
+                started[name] = router
+            except Exception as exc:  # a peer that cannot run is reported, the rest go on
+                skipped[name] = f"{type(exc).__name__}: {exc}"
+        for _ in range(rounds):
+            for w in workloads:
+                for name, router in started.items():
+                    results[name].setdefault(w, []).append(measure(router, w, bodies[w], seconds))
+        return summarize(results, started, skipped, direct, workloads)
+    finally:
+        for router in started.values():
+            router.close()
+        fakes.terminate()
+        fakes.wait(10)
+        redis.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _direct_p50(url: str, bodies: list[bytes]) -> float:
+    """p50 at c=1 straight to a fake HTTP worker: what 'added' latency is measured against."""
+    out = asyncio.run(_load(url, bodies, 1, 1.0))
+    return _pct(out["latencies_ms"], 0.5)
+
+
+def summarize(
+    results: dict[str, dict[str, list[dict[str, Any]]]],
+    started: dict[str, Router],
+    skipped: dict[str, str],
+    direct: dict[str, float],
+    workloads: list[str],
+) -> dict[str, Any]:
+    def med(rows: list[dict[str, Any]], key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    out: dict[str, Any] = {}
+    for name in started:
+        per: dict[str, Any] = {}
+        for w in workloads:
+            rows = results[name][w]
+            per[w] = {
+                "cpu_ms_per_request": round(med(rows, "cpu_ms_per_request"), 3),
+                "max_rps": round(med(rows, "max_rps"), 1),
+                "p50_ms": round(med(rows, "p50_ms"), 2),
+                "p99_ms": round(med(rows, "p99_ms"), 2),
+                "added_p50_ms_c1": round(med(rows, "p50_ms_c1") - direct[w], 3),
+                "errors": sum(r["errors"] for r in rows),
+            }
+        if "stream_128" in per and "chat_small" in per:
+            extra = (
+                per["stream_128"]["cpu_ms_per_request"] - per["chat_small"]["cpu_ms_per_request"]
+            )
+            per["cpu_ms_per_streamed_token"] = round(max(0.0, extra) / 120, 4)
+        out[name] = per
+    base = out.get("sglang_rr")
+    for per in out.values():
+        for w in workloads:
+            if base is not None and base[w]["max_rps"]:
+                per[w]["rps_vs_sglang_rr"] = round(per[w]["max_rps"] / base[w]["max_rps"], 3)
+            else:
+                per[w]["rps_vs_sglang_rr"] = None
+    kv = out.get("kvroute", {})
+    targets = {
+        "chat_small_cpu_ms_per_request <= 0.5": kv.get("chat_small", {}).get("cpu_ms_per_request"),
+        "chat_6k_repeat_cpu_ms_per_request <= 1.0": kv.get("chat_6k_repeat", {}).get(
+            "cpu_ms_per_request"
+        ),
+        "chat_6k_cold_cpu_ms_per_request <= 5": kv.get("chat_6k_cold", {}).get(
+            "cpu_ms_per_request"
+        ),
+        "cpu_ms_per_streamed_token <= 0.02": kv.get("cpu_ms_per_streamed_token"),
+        "chat_small_rps_vs_sglang_rr >= 0.25": kv.get("chat_small", {}).get("rps_vs_sglang_rr"),
+        "chat_small_added_p50_ms_c1 <= 0.5": kv.get("chat_small", {}).get("added_p50_ms_c1"),
+    }
+    met = {}
+    for key, value in targets.items():
+        op, bound = key.split()[-2], float(key.split()[-1])
+        met[key] = value is not None and (value <= bound if op == "<=" else value >= bound)
+    return {
+        "benchmark": "router overhead on instant fake workers (no inference)",
+        "routers": out,
+        "skipped": skipped,
+        "direct_p50_ms_c1": {w: round(v, 3) for w, v in direct.items()},
+        "targets_met": met,
+        "target_met": all(met.values()),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "cpus": os.cpu_count(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.bench_overhead", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--routers", default=",".join(ROUTERS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=5.0, help="per workload and round")
+    parser.add_argument("--workers", type=int, default=2, help="fake workers behind each router")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    routers = [r for r in args.routers.split(",") if r]
+    for r in routers:
+        if r not in ROUTERS:
+            raise SystemExit(f"--routers: {r!r} is not one of {', '.join(ROUTERS)}")
+    workloads = [w for w in args.workloads.split(",") if w]
+    result = run(routers, workloads, args.rounds, args.seconds, args.workers)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
