@@ -79,3 +79,25 @@ async def test_layout_against_real_redis(redis_url: str) -> None:
     assert WorkerRecord.from_mapping(await client.hgetall(layout.worker("w1"))) == rec
     await client.delete(layout.worker("w1"))
     await client.aclose()
+
+
+def test_block_set_buckets_round_trip_and_rewrite_only_what_changed() -> None:
+    from contract.redis_layout import BlockSetWriter, bucket_bits, decode_block_set, pack_blocks
+
+    assert bucket_bits(0) == 0 and bucket_bits(100_000) == 11  # ~48 hashes a bucket when full
+    assert decode_block_set([pack_blocks([1, 2**64 - 1])]) == [1, 2**64 - 1]
+    writer = BlockSetWriter()
+    hashes = [(i * 0x9E3779B97F4A7C15) % 2**64 for i in range(1, 400)]
+    fields = writer.reset(hashes, capacity=4096)
+    assert writer.bits == 7 and 100 < len(fields) <= 128  # 32 a bucket when the pool is full
+    assert sorted(decode_block_set(fields.values())) == sorted(hashes)
+    write, delete = writer.change(added=[hashes[0], 5], removed=[hashes[1], 12345])
+    # 5 is new (bucket 0), hashes[1] went; re-adding a member or removing a stranger is a no-op.
+    touched = {str(hashes[1] >> 57), "0"}
+    assert set(write) | set(delete) == touched
+    fields.update(write)
+    for f in delete:
+        fields.pop(f)
+    assert sorted(decode_block_set(fields.values())) == sorted({*hashes[:1], *hashes[2:], 5})
+    assert writer.change(added=[5], removed=[12345]) == ({}, [])
+    assert len(writer) == len(hashes)
