@@ -29,7 +29,12 @@ logger = logging.getLogger(__name__)
 # flag, type, default, help
 _FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("--model", str, None, "model folder (tokenizer + chat template) or the alias smollm2"),
-    ("--served-model-name", str, "", "the name clients use (default: the folder's name)"),
+    (
+        "--served-model-name",
+        str,
+        "",
+        "the names clients use, comma-separated (default: the folder's name)",
+    ),
     ("--redis-url", str, "redis://127.0.0.1:6379/0", "Redis with the workers' registry"),
     ("--redis-namespace", str, "kvroute", "key prefix shared with the workers"),
     ("--host", str, "0.0.0.0", "address to listen on"),

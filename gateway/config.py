@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contract.model_paths import SMOLLM2_ALIAS, is_smollm2_alias
 from contract.redis_layout import DEFAULT_NAMESPACE, RedisLayout
 from gateway.routing.router import RouterConfig
 
@@ -65,9 +66,19 @@ class GatewayConfig:
                 raise ValueError(message)
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name clients may put in ``model``: ``--served-model-name`` (a comma- or
+        space-separated list; default the folder's name), plus ``smollm2`` for its folder."""
+        listed = tuple(n for n in self.served_model_name.replace(",", " ").split() if n)
+        names = listed or (self.model_dir.resolve().name,)
+        if not listed and is_smollm2_alias(names[0]):
+            names += (SMOLLM2_ALIAS,)
+        return names
+
+    @property
     def model_name(self) -> str:
-        """The name clients put in ``model``."""
-        return self.served_model_name or self.model_dir.resolve().name
+        """The primary served name (the first of ``model_names``)."""
+        return self.model_names[0]
 
     @property
     def layout(self) -> RedisLayout:

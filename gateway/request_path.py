@@ -75,12 +75,22 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     cached = d.look_up(candidates)
     # 7. choose
     decision = d.choose(job, candidates, cached)
+    relay = Relay(state.tokenizer.tokenizer, served_name(state, s.model), job, s, chat)
+    if s.stream:
+        # A stream's headers go out now, not with its first token: a client queued on
+        # a busy worker sees the routing headers at once (vLLM, too, answers at once).
+        await relay.start_sse(request, decision.worker_id, decision.reason)
     # 8. open
-    stream = await d.open(job, candidates, cached, decision)
-    # 9. relay
-    relay = Relay(state.tokenizer.tokenizer, state.config.model_name, stream, s, chat)
     try:
-        resp = await (relay.sse(request) if s.stream else relay.json_body())
+        stream = await d.open(job, candidates, cached, decision)
+    except APIError as exc:
+        if not s.stream:
+            raise
+        return await relay.fail_sse(exc)
+    relay.attach(stream)
+    # 9. relay
+    try:
+        resp = await (relay.sse() if s.stream else relay.json_body())
     finally:
         stream.close(relay.cached_tokens)
     if isinstance(req, ChatRequest):
@@ -98,13 +108,20 @@ async def read_json(request: web.Request) -> Any:
 
 
 def check_model(state: GatewayState, model: str) -> None:
-    if model and model != state.config.model_name:
+    """404 unless ``model`` is empty or one of the served names (``--served-model-name``)."""
+    names = state.config.model_names
+    if model and model not in names:
         raise APIError(
             404,
-            f"the model '{model}' does not exist; this gateway serves '{state.config.model_name}'",
+            f"the model '{model}' does not exist; this gateway serves {', '.join(names)}",
             param="model",
             code="model_not_found",
         )
+
+
+def served_name(state: GatewayState, model: str) -> str:
+    """The name responses carry: the one the client asked for, else the first served name."""
+    return model or state.config.model_name
 
 
 async def tokenize(state: GatewayState, req: ChatRequest | CompletionRequest) -> Prompt:

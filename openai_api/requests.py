@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from openai_api.errors import APIError
+from openai_api.options import reject_unsupported
 
 MAX_STOP_STRINGS = 4
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -37,6 +38,7 @@ class SamplingRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage in every chunk, not only the last
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
@@ -102,18 +104,22 @@ def _token_ids(value: Any, name: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def parse_sampling(body: Any, *, default_max_tokens: int | None = None) -> SamplingRequest:
-    """The shared options of a chat or completion body; ``APIError(400)`` when invalid."""
+def parse_sampling(
+    body: Any, *, endpoint: str = "completion", default_max_tokens: int | None = None
+) -> SamplingRequest:
+    """The shared options of a chat or completion body; ``APIError(400)`` when invalid.
+
+    Options this server does not implement are refused here (``openai_api.options``).
+    """
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    reject_unsupported(body, endpoint)
     model = body.get("model")
     if model is None:
         model = ""  # as in vLLM: the served model
     elif not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
-    n = _int(body, "n", 1)
-    if n is not None and n != 1:
-        raise _bad("only n=1 is supported", "n")
+    _int(body, "n", 1)
     max_tokens = _int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1)
@@ -132,11 +138,12 @@ def parse_sampling(body: Any, *, default_max_tokens: int | None = None) -> Sampl
         raise _bad("'stop' must be a string or a list of strings", "stop")
     stream = _bool(body, "stream")
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if options is not None:
         if not isinstance(options, dict):
             raise _bad("'stream_options' must be an object", "stream_options")
         include_usage = _bool(options, "include_usage")
+        continuous = _bool(options, "continuous_usage_stats")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _bad("'user' must be a string", "user")
@@ -159,6 +166,7 @@ def parse_sampling(body: Any, *, default_max_tokens: int | None = None) -> Sampl
         stop=stop,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage_stats=continuous,
         user=user or None,
         ignore_eos=_bool(body, "ignore_eos"),
         stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids"),
@@ -185,7 +193,7 @@ def _content_text(content: Any, where: str) -> str:
 
 def parse_chat(body: Any) -> ChatRequest:
     """A ``/v1/chat/completions`` body."""
-    sampling = parse_sampling(body)
+    sampling = parse_sampling(body, endpoint="chat")
     messages = parse_messages(body.get("messages"))
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
@@ -221,7 +229,9 @@ def parse_messages(raw: Any) -> tuple[dict[str, Any], ...]:
 
 def parse_completion(body: Any) -> CompletionRequest:
     """A ``/v1/completions`` body (one prompt: a string or a list of token ids)."""
-    sampling = parse_sampling(body, default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
+    sampling = parse_sampling(
+        body, endpoint="completion", default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS
+    )
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one

@@ -132,7 +132,7 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_spec(request.app[STATE].config.model_name))
+    return web.json_response(openapi_spec(request.app[STATE].config.model_names))
 
 
 async def _background(app: web.Application) -> AsyncIterator[None]:
@@ -219,6 +219,7 @@ def create_app(config: GatewayConfig, *, tokenizer: ChatTokenizer | None = None)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/v1/models/{model:.+}", handlers.model)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway import __doc__ as _package_doc
+from openai_api.options import UNSUPPORTED, options_for
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -35,13 +36,51 @@ _SAMPLING: dict[str, Any] = {
     "top_p": {"type": "number", "minimum": 0, "maximum": 1, "default": 1},
     "seed": {"type": "integer"},
     "n": {"type": "integer", "enum": [1]},
+    "top_k": {"type": "integer", "minimum": -1},
+    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    "ignore_eos": {"type": "boolean", "default": False},
+    "cache_salt": {"type": "string"},
     "stop": {
         "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]
     },
     "stream": {"type": "boolean", "default": False},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "user": {"type": "string", "description": "Also the session key when X-Session-ID is absent"},
+    "stream_options": {
+        "type": "object",
+        "properties": {
+            "include_usage": {"type": "boolean"},
+            "continuous_usage_stats": {"type": "boolean"},
+        },
+    },
+    "user": {"type": "string"},
 }
+_CHAT_ONLY: dict[str, Any] = {
+    "chat_template_kwargs": {"type": "object"},
+    "add_generation_prompt": {"type": "boolean", "default": True},
+}
+
+
+def _options(endpoint: str) -> dict[str, Any]:
+    """Every option of ``endpoint`` from ``openai_api.options``, with its support status.
+
+    ``x-kvroute-support`` is ``supported``, ``ignored`` (accepted, no effect) or
+    ``unsupported`` (400 ``unsupported_parameter`` unless sent at its default).
+    """
+    props: dict[str, Any] = {}
+    for name, (status, what) in options_for(endpoint).items():
+        if name in ("model", "messages", "prompt"):
+            continue
+        schema = dict(_SAMPLING.get(name) or _CHAT_ONLY.get(name) or {})
+        note = {"supported": "Supported", "ignored": "Accepted and ignored"}.get(
+            status, "Unsupported: 400 unsupported_parameter unless sent at its default"
+        )
+        schema["description"] = f"{note}: {what}"
+        schema["x-kvroute-support"] = status
+        if status == UNSUPPORTED:
+            schema["nullable"] = True
+        props[name] = schema
+    return props
+
+
 _SESSION = {
     "name": "X-Session-ID",
     "in": "header",
@@ -80,8 +119,8 @@ def _generation(summary: str, request_schema: str, response_schema: str) -> dict
     }
 
 
-def openapi_spec(model_name: str) -> dict[str, Any]:
-    """The spec, with the served model name filled in."""
+def openapi_spec(model_names: tuple[str, ...]) -> dict[str, Any]:
+    """The spec, with the served model names filled in."""
     usage = {
         "type": "object",
         "properties": {
@@ -127,7 +166,24 @@ def openapi_spec(model_name: str) -> dict[str, Any]:
                 "#/components/schemas/Completion",
             ),
             "/v1/models": {
-                "get": {"summary": "The served model", "responses": {**simple, **_errors(401)}}
+                "get": {
+                    "summary": "The served model, once per served name",
+                    "responses": {**simple, **_errors(401)},
+                }
+            },
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "One served model (404 for an unknown name)",
+                    "parameters": [
+                        {
+                            "name": "model",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string", "enum": list(model_names)},
+                        }
+                    ],
+                    "responses": {**simple, **_errors(401, 404)},
+                }
             },
             "/healthz": {"get": {"summary": "Liveness", "responses": simple}},
             "/readyz": {
@@ -182,8 +238,8 @@ def openapi_spec(model_name: str) -> dict[str, Any]:
                     "type": "object",
                     "required": ["model", "messages"],
                     "properties": {
-                        **_SAMPLING,
-                        "model": {"type": "string", "enum": [model_name]},
+                        **_options("chat"),
+                        "model": {"type": "string", "enum": list(model_names)},
                         "messages": {"type": "array", "items": message, "minItems": 1},
                     },
                 },
@@ -191,8 +247,8 @@ def openapi_spec(model_name: str) -> dict[str, Any]:
                     "type": "object",
                     "required": ["model", "prompt"],
                     "properties": {
-                        **_SAMPLING,
-                        "model": {"type": "string", "enum": [model_name]},
+                        **_options("completion"),
+                        "model": {"type": "string", "enum": list(model_names)},
                         "prompt": {
                             "oneOf": [
                                 {"type": "string"},

@@ -3,7 +3,10 @@
 One JSON body, or server-sent events ending in ``data: [DONE]``. Stop strings
 are matched here (``openai_api.detokenizer``); a match, or a client that goes
 away, closes the upstream call, which aborts the request on the worker. A
-failure after the status line went out is reported in-band, as vLLM does.
+stream's status line and headers go out as soon as the request is routed
+(``start_sse``), before the worker's first token, as vLLM sends them: a client
+queued on a busy worker is not left without headers. A failure after that is
+reported in-band, as vLLM does.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.routing.dispatch import Stream
+from gateway.routing.dispatch import Job, Stream
 from gateway.upstream.base import Chunk, UpstreamError
 from openai_api.detokenizer import Detokenizer
 from openai_api.errors import APIError
@@ -32,25 +35,37 @@ from openai_api.responses import (
 logger = logging.getLogger(__name__)
 
 
-def route_headers(stream: Stream) -> dict[str, str]:
-    return {"x-kvroute-worker": stream.worker_id, "x-kvroute-reason": stream.reason}
+def route_headers(worker_id: str, reason: str) -> dict[str, str]:
+    return {"x-kvroute-worker": worker_id, "x-kvroute-reason": reason}
 
 
 class Relay:
     """Turns one worker stream into text, tracking usage as the worker reports it."""
 
     def __init__(
-        self, tokenizer: Any, model: str, stream: Stream, s: SamplingRequest, chat: bool
+        self, tokenizer: Any, model: str, job: Job, s: SamplingRequest, chat: bool
     ) -> None:
-        self.stream = stream
         self.s = s
         self.chat = chat
         self.model = model
-        self.rid = stream.job.request_id
-        self.prompt_tokens = len(stream.job.prompt_ids)
-        self.detok = Detokenizer(tokenizer, stream.job.prompt_ids, s.stop)
+        self.rid = job.request_id
+        self.prompt_tokens = len(job.prompt_ids)
+        self.detok = Detokenizer(tokenizer, job.prompt_ids, s.stop)
         self.completion_tokens = 0
         self.cached_tokens: int | None = None
+        self._stream: Stream | None = None
+        self._resp: web.StreamResponse | None = None
+        self._created = int(time.time())
+
+    @property
+    def stream(self) -> Stream:
+        if self._stream is None:
+            raise RuntimeError("the relay has no worker stream yet")
+        return self._stream
+
+    def attach(self, stream: Stream) -> None:
+        """The worker stream to relay (once ``Dispatcher.open`` returned it)."""
+        self._stream = stream
 
     def _take(self, chunk: Chunk) -> str:
         self.completion_tokens += len(chunk.token_ids)
@@ -88,40 +103,72 @@ class Relay:
             raise exc.api_error from exc
         build = chat_response if self.chat else completion_response
         body = build(self.rid, self.model, "".join(parts), finish, self.usage())
-        return web.json_response(body, headers=route_headers(self.stream))
+        return web.json_response(
+            body, headers=route_headers(self.stream.worker_id, self.stream.reason)
+        )
 
-    def _chunk(self, delta: str | None, finish: str | None, created: int) -> dict[str, Any]:
-        usage_field = self.s.include_usage
+    # -- server-sent events ------------------------------------------------------------
+
+    @property
+    def _usage_field(self) -> bool:
+        return self.s.include_usage or self.s.continuous_usage_stats
+
+    def _chunk(self, delta: str | None, finish: str | None) -> dict[str, Any]:
+        # continuous_usage_stats: every chunk carries the usage so far (vLLM's extension).
+        usage = self.usage() if self.s.continuous_usage_stats else None
         if not self.chat:
-            return completion_chunk(self.rid, self.model, created, delta, finish, None, usage_field)
+            return completion_chunk(
+                self.rid, self.model, self._created, delta, finish, usage, self._usage_field
+            )
         d = None if delta is None else ({"content": delta} if delta else {})
-        return chat_chunk(self.rid, self.model, created, d, finish, None, usage_field)
+        return chat_chunk(self.rid, self.model, self._created, d, finish, usage, self._usage_field)
 
-    async def sse(self, request: web.Request) -> web.StreamResponse:
+    async def _send(self, obj: dict[str, Any]) -> None:
+        if self._resp is None:
+            raise RuntimeError("start_sse was not called")
+        await self._resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+    async def start_sse(
+        self, request: web.Request, worker_id: str, reason: str
+    ) -> web.StreamResponse:
+        """Sends the status line, the routing headers and the chat role chunk.
+
+        Called once the router chose ``worker_id``; if that worker fails before its
+        first token and another one serves, the headers still name the first choice.
+        """
         resp = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
-                **route_headers(self.stream),
+                **route_headers(worker_id, reason),
             }
         )
         await resp.prepare(request)
-        created = int(time.time())
-
-        async def send(obj: dict[str, Any]) -> None:
-            await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-
+        self._resp = resp
         if self.chat:
             role = {"role": "assistant", "content": ""}
-            await send(
-                chat_chunk(self.rid, self.model, created, role, None, None, self.s.include_usage)
+            usage = self.usage() if self.s.continuous_usage_stats else None
+            await self._send(
+                chat_chunk(
+                    self.rid, self.model, self._created, role, None, usage, self._usage_field
+                )
             )
+        return resp
+
+    async def fail_sse(self, err: APIError) -> web.StreamResponse:
+        """Ends a started stream with an in-band error (no worker could take the request)."""
+        logger.warning("request %s failed before its first token: %s", self.rid, err.message)
+        await self._send(err.body())
+        return await self._done()
+
+    async def sse(self) -> web.StreamResponse:
+        """Relays the attached stream as events after ``start_sse``."""
         try:
             async for delta, finish in self.events():
                 if delta:
-                    await send(self._chunk(delta, None, created))
+                    await self._send(self._chunk(delta, None))
                 if finish is not None:
-                    await send(self._chunk("", finish, created))
+                    await self._send(self._chunk("", finish))
         except (UpstreamError, APIError) as exc:
             err = exc.api_error if isinstance(exc, UpstreamError) else exc
             logger.warning(
@@ -130,10 +177,17 @@ class Relay:
                 self.stream.worker_id,
                 err.message,
             )
-            await send(err.body())
+            await self._send(err.body())
+        return await self._done()
+
+    async def _done(self) -> web.StreamResponse:
+        if self._resp is None:
+            raise RuntimeError("start_sse was not called")
         if self.s.include_usage:
             build = chat_chunk if self.chat else completion_chunk
-            await send(build(self.rid, self.model, created, None, None, self.usage(), True))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+            await self._send(
+                build(self.rid, self.model, self._created, None, None, self.usage(), True)
+            )
+        await self._resp.write(b"data: [DONE]\n\n")
+        await self._resp.write_eof()
+        return self._resp

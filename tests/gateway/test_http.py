@@ -148,7 +148,7 @@ async def test_metrics_names(gateway: Harness) -> None:
         ),
         ({"model": MODEL, "messages": HELLO, "stop": [1]}, 400, "stop"),
         ({"model": MODEL, "messages": HELLO, "stream": "yes"}, 400, "stream"),
-        ({"messages": HELLO}, 400, "model"),
+        ({"model": 5, "messages": HELLO}, 400, "model"),
         ({"model": "gpt-4", "messages": HELLO}, 404, "model"),
         ({"model": MODEL, "messages": HELLO, "max_tokens": 5000}, 400, "max_tokens"),
         ([1, 2], 400, None),
@@ -289,7 +289,9 @@ async def test_client_disconnect_cancels_worker(gateway: Harness) -> None:
     worker, _ = await gateway.add_worker("w1", "tick " * 200, delay_s=0.02)
     resp = await gateway.chat(HELLO, stream=True, max_tokens=300)
     assert resp.status == 200
-    await resp.content.readline()
+    # The role chunk comes before the worker's first token: wait for a token.
+    while b"tick" not in await resp.content.readline():
+        pass
     resp.close()  # the client goes away mid-stream
     await eventually(lambda: worker.cancelled == 1, what="worker request aborted")
     await eventually(lambda: gateway.state.dispatcher.loads["w1"].inflight == 0)

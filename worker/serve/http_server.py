@@ -147,6 +147,7 @@ class Job:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # stream_options.continuous_usage_stats: usage in every chunk
     cache_salt: str
 
 
@@ -254,6 +255,7 @@ async def _parse_job(request: web.Request, kind: str) -> Job:
         stop=sampling.stop,
         stream=sampling.stream,
         include_usage=sampling.include_usage,
+        continuous_usage=sampling.continuous_usage_stats,
         cache_salt=(sampling.cache_salt or "") if info.trust_body_salt else "",
     )
 
@@ -362,7 +364,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             "model": info.model_name,
             "choices": choices,
         }
-        if job.include_usage:
+        if job.continuous_usage:
+            body["usage"] = usage or run.usage_body()
+        elif job.include_usage:
             body["usage"] = usage
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 

@@ -1,0 +1,225 @@
+"""The gateway driven by the official ``openai`` SDK: what real clients send either works or is
+a clear 400 ``unsupported_parameter`` (fake gRPC workers; real Redis, HTTP and tokenizer)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import openai
+import pytest
+
+from openai_api.options import OPTIONS, UNSUPPORTED
+from tests.gateway.conftest import MODEL, Harness, MakeGateway, read_sse
+
+HELLO = [{"role": "user", "content": "Hello"}]
+
+# (endpoint, option values) a client may send that this server does not implement.
+UNSUPPORTED_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("chat", {"logprobs": True}),
+    ("chat", {"logprobs": True, "top_logprobs": 3}),
+    ("chat", {"logit_bias": {"42": 5}}),
+    ("chat", {"presence_penalty": 0.5}),
+    ("chat", {"frequency_penalty": 0.5}),
+    ("chat", {"n": 2}),
+    ("chat", {"response_format": {"type": "json_object"}}),
+    (
+        "chat",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object"}},
+            }
+        },
+    ),
+    (
+        "chat",
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+            ]
+        },
+    ),
+    ("chat", {"tool_choice": "required"}),
+    ("chat", {"modalities": ["text", "audio"]}),
+    ("chat", {"audio": {"voice": "alloy", "format": "wav"}}),
+    ("chat", {"prediction": {"type": "content", "content": "x"}}),
+    ("completion", {"echo": True}),
+    ("completion", {"best_of": 2}),
+    ("completion", {"suffix": "end"}),
+    ("completion", {"logprobs": 2}),
+    ("completion", {"n": 3}),
+]
+
+
+def _sdk(gateway: Harness) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=str(gateway.client.make_url("/v1")), api_key="none", max_retries=0
+    )
+
+
+async def test_every_unsupported_option_is_a_400_naming_it(gateway: Harness) -> None:
+    worker, _ = await gateway.add_worker("w1")
+    client = _sdk(gateway)
+    for endpoint, extra in UNSUPPORTED_CASES:
+        with pytest.raises(openai.BadRequestError) as err:
+            if endpoint == "chat":
+                await client.chat.completions.create(
+                    model=MODEL, messages=HELLO, max_tokens=4, extra_body=extra
+                )
+            else:
+                await client.completions.create(
+                    model=MODEL, prompt="Hello", max_tokens=4, extra_body=extra
+                )
+        body = err.value.body
+        assert isinstance(body, dict), extra
+        assert body["code"] == "unsupported_parameter", (extra, body)
+        assert body["param"] in extra, (extra, body)
+    assert worker.requests == []  # nothing reached a worker
+
+
+async def test_neutral_values_of_unsupported_options_are_accepted(gateway: Harness) -> None:
+    await gateway.add_worker("w1")
+    client = _sdk(gateway)
+    neutral = {
+        "logprobs": False,
+        "n": 1,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logit_bias": {},
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "modalities": ["text"],
+        "store": True,
+        "metadata": {"a": "b"},
+        "parallel_tool_calls": False,
+    }
+    out = await client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=4, extra_body=neutral
+    )
+    assert out.choices[0].message.content == "Hello world"
+    out = await client.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=4, echo=False, best_of=1, suffix=None, logprobs=None
+    )
+    assert out.choices[0].text == "Hello world"
+
+
+async def test_top_p_zero_is_greedy(gateway: Harness) -> None:
+    worker, _ = await gateway.add_worker("w1")
+    await _sdk(gateway).chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=4, temperature=0.9, top_p=0
+    )
+    sampling = worker.requests[-1].sampling
+    assert sampling.temperature == 0.0 and sampling.top_p == 1.0
+
+
+async def test_continuous_usage_stats_puts_usage_in_every_chunk(gateway: Harness) -> None:
+    await gateway.add_worker("w1", "one two three four five", cached_tokens=16)
+    stream = await _sdk(gateway).chat.completions.create(
+        model=MODEL,
+        messages=HELLO,
+        max_tokens=16,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+    )
+    chunks = [c async for c in stream]
+    assert len(chunks) >= 5
+    counts = []
+    for c in chunks:
+        assert c.usage is not None, c
+        assert c.usage.prompt_tokens > 0
+        counts.append(c.usage.completion_tokens)
+    assert counts == sorted(counts) and counts[0] == 0
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == counts[-1] > 0
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 16
+
+
+async def test_completions_stream_continuous_usage_without_include_usage(
+    gateway: Harness,
+) -> None:
+    await gateway.add_worker("w1", "one two three")
+    body = {
+        "model": MODEL,
+        "prompt": "Hi",
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"continuous_usage_stats": True},
+    }
+    events = await read_sse(await gateway.client.post("/v1/completions", json=body))
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["usage"]["prompt_tokens"] > 0 for c in chunks)
+    assert all(c["choices"] for c in chunks)  # no final usage-only chunk without include_usage
+
+
+async def test_models_retrieve_and_the_smollm2_alias(gateway: Harness) -> None:
+    await gateway.add_worker("w1")
+    client = _sdk(gateway)
+    assert (await client.models.retrieve(MODEL)).id == MODEL
+    assert (await client.models.retrieve("smollm2")).id == "smollm2"
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("gpt-4")
+    listed = [m.id async for m in client.models.list()]
+    assert listed == [MODEL, "smollm2"]
+    out = await client.chat.completions.create(model="smollm2", messages=HELLO, max_tokens=4)
+    assert out.model == "smollm2" and out.choices[0].message.content == "Hello world"
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model="gpt-4", messages=HELLO, max_tokens=4)
+
+
+async def test_served_model_name_lists_several(make_gateway: MakeGateway) -> None:
+    gateway = await make_gateway(served_model_name="tiny, chat-small")
+    await gateway.add_worker("w1")
+    client = _sdk(gateway)
+    assert [m.id async for m in client.models.list()] == ["tiny", "chat-small"]
+    out = await client.completions.create(model="chat-small", prompt="Hi", max_tokens=4)
+    assert out.model == "chat-small"
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model=MODEL, prompt="Hi", max_tokens=4)
+
+
+async def test_stream_headers_arrive_before_the_first_token(gateway: Harness) -> None:
+    delay = 1.0
+    await gateway.add_worker("w1", "slow", delay_s=delay)  # each token takes a second
+    started = time.monotonic()
+    resp = await gateway.chat(HELLO, stream=True)
+    headers_after = time.monotonic() - started
+    assert resp.status == 200
+    assert resp.headers["x-kvroute-worker"] == "w1"
+    assert resp.headers["x-kvroute-reason"] in ("cache", "session", "load", "fallback")
+    assert headers_after < delay / 2, headers_after
+    events = await read_sse(resp)
+    assert time.monotonic() - started >= delay
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    assert text == "slow"
+
+
+async def test_no_worker_after_the_headers_is_an_in_band_error(gateway: Harness) -> None:
+    import grpc
+
+    await gateway.add_worker("w1", fail=grpc.StatusCode.UNAVAILABLE)
+    resp = await gateway.chat(HELLO, stream=True)
+    assert resp.status == 200  # routed: the headers went out before the worker failed
+    events = await read_sse(resp)
+    assert events[-1] == "[DONE]"
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert errors and errors[0]["error"]["code"] == "no_workers"
+
+
+async def test_openapi_lists_every_option_with_its_status(gateway: Harness) -> None:
+    spec = await (await gateway.client.get("/openapi.json")).json()
+    schemas = spec["components"]["schemas"]
+    for name, (status, endpoints, _, _) in OPTIONS.items():
+        for endpoint, schema in (("chat", "ChatRequest"), ("completion", "CompletionRequest")):
+            props = schemas[schema]["properties"]
+            if endpoint not in endpoints:
+                assert name not in props or name in ("model",), (name, schema)
+                continue
+            assert name in props, (name, schema)
+            if name not in ("model", "messages", "prompt"):
+                assert props[name]["x-kvroute-support"] == status, name
+    chat = schemas["ChatRequest"]["properties"]
+    assert chat["tools"]["x-kvroute-support"] == UNSUPPORTED
+    assert chat["store"]["x-kvroute-support"] == "ignored"
+    assert "/v1/models/{model}" in spec["paths"]
