@@ -386,11 +386,16 @@ class BlockIndex:
         self._spec_n += 1
         heapq.heappush(self._spec_heap, (expiry, self._spec_n, worker_id, tuple(hashes)))
 
-    def prune(self, now: float) -> int:
-        """Drops expired speculative entries; returns how many went. O(expired)."""
+    def prune(self, now: float, limit: int = 0) -> int:
+        """Drops expired speculative entries; returns how many went. O(expired).
+
+        ``limit`` > 0 stops after about that many (a whole routing's chain at a
+        time), so a caller on the event loop can yield between calls; lookups
+        ignore expired entries either way.
+        """
         gone = 0
         heap, spec = self._spec_heap, self._spec
-        while heap and heap[0][0] <= now:
+        while heap and heap[0][0] <= now and not (limit and gone >= limit):
             _, _, w, hashes = heapq.heappop(heap)
             for h in hashes:
                 ws = spec.get(h)

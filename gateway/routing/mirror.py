@@ -58,9 +58,11 @@ logger = logging.getLogger(__name__)
 _TAIL_BLOCK_MS = 250  # short, so newly loaded workers join the XREAD quickly
 _TAIL_COUNT = 1000
 _MAX_BACKOFF_S = 5.0
+_UNREACHABLE_LOG_S = 5.0  # at most one "cannot reach redis" line per this many seconds
 _LOAD_BATCH = 16  # workers read per round trip when loading
 _LOAD_SLICE = 4096  # hashes staged into the index between yields (~5 ms)
 _CLUSTER_TAIL_S = 0.05
+_PRUNE_SLICE = 20_000  # speculative entries expired between yields (~8 ms)
 # Registry fields that change with every heartbeat; the rest only with an epoch.
 _LOAD_FIELDS = (
     "epoch",
@@ -71,6 +73,7 @@ _LOAD_FIELDS = (
     "prefill_tokens_per_s",
     "decode_tokens_per_s",
     "updated_at",
+    "engine_step_age_s",  # a stuck engine behind a live heartbeat
 )
 
 
@@ -132,7 +135,7 @@ def _load_update(record: WorkerRecord, values: list[Any]) -> WorkerRecord:
         if raw is None:
             continue
         text = _text(raw)
-        changes[name] = float(text) if name.endswith(("_per_s", "_at")) else int(text)
+        changes[name] = float(text) if name.endswith(("_per_s", "_at", "_s")) else int(text)
     return replace(record, **changes)
 
 
@@ -169,6 +172,8 @@ class IndexMirror:
         self.redis_ok = False
         self.has_snapshot = False  # a full load succeeded at least once
         self.reconnects = 0
+        self.last_error = ""  # why Redis was last unreachable, for logs and 503 bodies
+        self._next_unreachable_log = 0.0
         self.reloads = 0  # loads of a worker that was already loaded once (gaps, epochs)
         self._pending: dict[str, None] = {}  # workers queued for a load, in order
         self._wake_loader = asyncio.Event()
@@ -181,6 +186,18 @@ class IndexMirror:
         return aioredis.Redis.from_url(self.redis_url, **opts)
 
     # -- lifecycle ---------------------------------------------------------------
+
+    def no_worker_hint(self) -> str:
+        """Why there may be no worker to route to, in words for a 503 body."""
+        url = redact(self.redis_url)
+        if not self.redis_ok and not self.has_snapshot:
+            return f"this gateway cannot reach Redis at {url} ({self.last_error}); retrying"
+        if not self.redis_ok:
+            return f"Redis at {url} is unreachable ({self.last_error}); retrying"
+        return (
+            f"no worker is registered in Redis {url} under namespace "
+            f"'{self.layout.namespace}' (workers need the same --redis-url and --redis-namespace)"
+        )
 
     async def run(self) -> None:
         """Mirrors Redis until cancelled, surviving Redis outages."""
@@ -203,8 +220,15 @@ class IndexMirror:
                 _raise_if_cancelled()
                 await self._follow(client)
             except (RedisError, OSError) as exc:
+                self.last_error = str(exc) or type(exc).__name__
                 if self.redis_ok:
                     logger.warning("redis unavailable (%s); serving from the last mirror", exc)
+                elif time.monotonic() >= self._next_unreachable_log:
+                    # Never reached (or still down): a line every few seconds, not silence.
+                    logger.warning(
+                        "cannot reach redis %s (%s); retrying", redact(self.redis_url), exc
+                    )
+                    self._next_unreachable_log = time.monotonic() + _UNREACHABLE_LOG_S
                 self.redis_ok = False
                 self.reconnects += 1
             except Exception:
@@ -249,7 +273,9 @@ class IndexMirror:
         while True:
             await asyncio.sleep(self.poll_s)
             await self.sync_registry(client)
-            self.index.prune(time.monotonic())
+            now = time.monotonic()
+            while self.index.prune(now, limit=_PRUNE_SLICE) >= _PRUNE_SLICE:
+                await asyncio.sleep(0)  # 1M expiring entries would hold the loop ~0.4 s
             self.index.maintain()
             _raise_if_cancelled()
 

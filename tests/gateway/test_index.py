@@ -155,3 +155,13 @@ def test_stats_count_entries_and_shared_hashes() -> None:
     stats = index.stats()
     assert (stats.entries, stats.hashes, stats.shared_hashes) == (5, 3, 2)
     assert stats.bytes > 0 and stats.evictions == 0
+
+
+def test_prune_with_a_limit_goes_in_slices() -> None:
+    index = BlockIndex()
+    for n in range(10):
+        index.speculate(f"w{n}", list(range(100)), now=0.0, ttl=1.0)
+    assert index.prune(now=5.0, limit=250) == 300  # whole chains: stops at the first past 250
+    assert index.speculative_count() == 700
+    assert index.longest_prefix([0, 1], now=5.0) == {}  # expired entries never count
+    assert index.prune(now=5.0) == 700
