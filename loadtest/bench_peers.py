@@ -54,6 +54,8 @@ from loadtest.fleet import Fleet, free_port
 logger = logging.getLogger(__name__)
 
 ROUTERS = ("kvroute", "round_robin", "sglang", "vllm")
+# With --engine emulated (loadtest.peers_matrix): kvroute's variants named as in the issue.
+EMULATED_ROUTERS = ("kvroute", "kvroute_3_replicas", "kvroute_round_robin", "sglang", "vllm")
 PEER_PACKAGES = ("sglang-router", "vllm-router")
 PEER_DEPS = ("setproctitle", "aiohttp", "orjson", "uvicorn", "fastapi", "requests")
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,9 +71,10 @@ class PeersConfig:
     router_startup_s: float = 60.0
 
     def __post_init__(self) -> None:
-        unknown = [r for r in self.routers if r not in ROUTERS]
+        known = (*ROUTERS, *EMULATED_ROUTERS)
+        unknown = [r for r in self.routers if r not in known]
         if unknown or not self.routers:
-            raise ValueError(f"--routers {','.join(self.routers)!r}: choose from {ROUTERS}")
+            raise ValueError(f"--routers {','.join(self.routers)!r}: choose from {known}")
 
 
 class PeerUnavailable(RuntimeError):
@@ -165,6 +168,39 @@ def _wait_healthy(proc: subprocess.Popen[bytes], port: int, timeout: float, log:
     raise PeerUnavailable(f"no 200 on /health within {timeout:.0f}s (log {log})")
 
 
+def with_peer(
+    cfg: FleetBenchConfig,
+    pcfg: PeersConfig,
+    name: str,
+    fleet: Fleet,
+    log_dir: Path,
+    measure_through: Callable[[str], dict[str, Any]],
+) -> dict[str, Any]:
+    """Starts peer ``name`` in front of ``fleet``'s workers, measures through it, stops it."""
+    bin_dir = ensure_peer_venv(pcfg)
+    t_start = time.perf_counter()
+    urls = [w.http_url for w in fleet.workers]
+    port = free_port()
+    cmd = router_command(name, bin_dir, port, urls, fleet.model_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{name}-router.log"
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(proc, port, pcfg.router_startup_s, log)
+        out: dict[str, Any] = {"policy": "cache_aware", "command": " ".join(cmd)}
+        out["startup_s"] = time.perf_counter() - t_start
+        out.update(measure_through(f"http://127.0.0.1:{port}"))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+    return out
+
+
 def run_peer(
     cfg: FleetBenchConfig,
     pcfg: PeersConfig,
@@ -173,30 +209,12 @@ def run_peer(
     on_result: Callable[[RequestResult], None] | None = None,
 ) -> dict[str, Any]:
     """A fresh fleet, peer ``name`` started in front of its workers, measured through the peer."""
-    bin_dir = ensure_peer_venv(pcfg)
-    t_start = time.perf_counter()
     # The fleet's own gateway is started too but gets no traffic.
     with torch_threads(cfg.worker_threads), Fleet(fleet_config(cfg, "round_robin", name)) as fleet:
         urls = [w.http_url for w in fleet.workers]
-        port = free_port()
-        cmd = router_command(name, bin_dir, port, urls, fleet.model_dir)
-        log_dir.mkdir(parents=True, exist_ok=True)
-        log = log_dir / f"{name}-router.log"
-        with open(log, "wb") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
-        try:
-            _wait_healthy(proc, port, pcfg.router_startup_s, log)
-            out: dict[str, Any] = {"policy": "cache_aware", "command": " ".join(cmd)}
-            out["startup_s"] = time.perf_counter() - t_start
-            out.update(measure(cfg, f"http://127.0.0.1:{port}", urls, on_result))
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-    return out
+        return with_peer(
+            cfg, pcfg, name, fleet, log_dir, lambda url: measure(cfg, url, urls, on_result)
+        )
 
 
 def side_by_side(routers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -274,7 +292,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--log-dir", default="", help="process logs (default /tmp/kvroute-bench-peers)")
     p.add_argument("--json", action="store_true", help="compact JSON (default: indented)")
     p.add_argument("--no-progress", action="store_true")
+    add_matrix_flags(p)
     args = p.parse_args(argv)
+    if args.engine == "emulated":
+        return main_emulated(args, argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = fleet_config_from_args(args, from_turn=min(3, args.turns))
@@ -290,6 +311,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run(cfg, pcfg, progress=not args.no_progress)
     print(json.dumps(jsonable(result), indent=None if args.json else 2, default=str))
     return 0 if all("error" not in r for r in result["routers"].values()) else 1
+
+
+def add_matrix_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of the ``--engine emulated`` comparison (``loadtest.peers_matrix``)."""
+    from loadtest.peers_matrix import MatrixConfig
+
+    d = MatrixConfig()
+    g = p.add_argument_group("--engine emulated: routers x workloads (loadtest.peers_matrix)")
+    g.add_argument("--workloads", default=",".join(d.workloads), help="comma-separated")
+    g.add_argument("--trace-limit", type=int, default=d.trace_limit)
+    g.add_argument("--trace-block-tokens", type=int, default=d.trace_block_tokens)
+    g.add_argument("--trace-speedup", type=float, default=d.trace_speedup)
+
+
+def main_emulated(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``--engine emulated``: every router x workload on fresh emulated fleets; one JSON object."""
+    from loadtest import peers_matrix
+
+    routers = args.routers
+    if routers == ",".join(ROUTERS):  # the default: the emulated comparison's router names
+        routers = ",".join(EMULATED_ROUTERS)
+    try:
+        cfg = fleet_config_from_args(args, from_turn=1)
+        pcfg = PeersConfig(
+            routers=tuple(r.strip() for r in routers.split(",") if r.strip()),
+            peers_venv=args.peers_venv,
+            wheel_dir=args.wheel_dir,
+        )
+        mcfg = peers_matrix.matrix_config(args)
+    except ValueError as exc:
+        print(f"bench_peers: {exc}", file=sys.stderr)
+        return 2
+    shown = sys.argv[1:] if argv is None else list(argv)
+    command = "python -m loadtest.bench_peers " + " ".join(shown)
+    result = peers_matrix.run(cfg, pcfg, mcfg, command)
+    print(json.dumps(jsonable(result), indent=None if args.json else 2, default=str))
+    return 0
 
 
 if __name__ == "__main__":

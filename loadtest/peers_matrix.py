@@ -1,0 +1,399 @@
+"""Routers x workloads on a fleet of emulated workers: ``bench_peers --engine emulated``.
+
+For each router a fresh fleet (private Redis, ``--workers`` emulated workers)
+is started; each workload then runs on it in turn, after every worker's cache
+is reset (``/reset_prefix_cache``, which also clears the gateways' index
+through the ``AllBlocksCleared`` events). A peer router (sglang-router,
+vllm-router) is started fresh for every workload; kvroute's gateways keep
+running across workloads. Routers:
+
+- ``kvroute``: the fleet's gateway; ``kvroute_3_replicas``: that gateway and
+  two more on the same Redis, the client spreading requests round robin over
+  the three; ``kvroute_round_robin``: the gateway with ``--policy round_robin``;
+- ``sglang`` / ``vllm``: the peers with ``--policy cache_aware``.
+
+Workloads: ``mooncake`` (the Mooncake conversation trace replayed by aiperf
+with its timestamps, blocks rescaled to ``--trace-block-tokens``), ``chat``
+(multi-turn chat with a shared system prompt) and ``shared_prefix`` (RAG-like
+groups with Zipf popularity), both played by kvroute's own client, which
+aiperf cannot do with real answers fed back (chat) or Zipf groups.
+
+Hit rate comes from the workers' own counters; TTFT and tokens/s from the
+client. Times are reported in the emulated GPU's units (divided back by
+``--emulated-time-scale``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from loadtest import aiperf_client, stats
+from loadtest.bench_fleet import (
+    FleetBenchConfig,
+    counters_delta,
+    fleet_config,
+    served_model,
+    unscale,
+    worker_counters,
+)
+from loadtest.client import ClientConfig, RequestResult, send_one
+from loadtest.fleet import Fleet, free_port
+from loadtest.workloads import (
+    ChatConfig,
+    Conversation,
+    SharedPrefixConfig,
+    chat_workload,
+    shared_prefix_workload,
+)
+
+logger = logging.getLogger(__name__)
+
+ROUTERS = ("kvroute", "kvroute_3_replicas", "kvroute_round_robin", "sglang", "vllm")
+WORKLOADS = ("mooncake", "chat", "shared_prefix")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class MatrixConfig:
+    """Which workloads, and the shape of each."""
+
+    workloads: tuple[str, ...] = WORKLOADS
+    trace: str = "loadtest/traces/mooncake_conversation_trace.jsonl"
+    trace_limit: int = 240
+    trace_block_tokens: int = 32
+    trace_speedup: float = 1.0
+    chat_users: int = 48
+    chat_turns: int = 4
+    chat_arrival_rate: float = 2.0
+    prefix_groups: int = 12
+    prefix_prompts: int = 16
+    prefix_zipf: float = 1.1
+    prefix_arrival_rate: float = 8.0
+    aiperf_venv: str = ".venv-aiperf"
+
+    def __post_init__(self) -> None:
+        unknown = [w for w in self.workloads if w not in WORKLOADS]
+        if unknown or not self.workloads:
+            raise ValueError(f"--workloads {','.join(self.workloads)!r}: choose from {WORKLOADS}")
+
+
+def reset_caches(worker_urls: Sequence[str]) -> None:
+    for url in worker_urls:
+        req = urllib.request.Request(f"{url}/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            resp.read()
+
+
+def start_replicas(fleet: Fleet, n: int) -> tuple[list[str], list[subprocess.Popen[bytes]]]:
+    """``n`` more kvroute gateways on the fleet's Redis; their base URLs and processes."""
+    urls, procs = [], []
+    for i in range(n):
+        port = free_port()
+        args = [
+            "gateway",
+            "--model",
+            fleet.model_dir,
+            "--redis-url",
+            fleet.redis_url,
+            "--redis-namespace",
+            fleet.config.namespace,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            fleet.config.policy,
+        ]
+        proc = fleet._spawn(f"gateway-{i + 2}", args)
+        procs.append(proc)
+        _wait_ready(f"http://127.0.0.1:{port}", len(fleet.workers), proc)
+        urls.append(f"http://127.0.0.1:{port}")
+    return urls, procs
+
+
+def _wait_ready(
+    url: str, workers: int, proc: subprocess.Popen[bytes], timeout: float = 180
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gateway replica exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=2) as resp:
+                if json.loads(resp.read()).get("healthy_workers", 0) >= workers:
+                    return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"gateway replica {url} not ready within {timeout:.0f}s")
+
+
+async def play_spread(
+    convs: Sequence[Conversation], clients: Sequence[ClientConfig]
+) -> list[RequestResult]:
+    """Open-loop play of ``convs``; each request goes to the next of ``clients`` (round robin)."""
+    rotation = itertools.cycle(clients)
+    scale = clients[0].time_scale
+    out: list[RequestResult] = []
+    timeout = aiohttp.ClientTimeout(total=clients[0].request_timeout_s)
+
+    async def conversation(session: aiohttp.ClientSession, conv: Conversation, t0: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + conv.start_s * scale - time.perf_counter()))
+        answers: list[str] = []
+        for k, turn in enumerate(conv.turns):
+            if k:
+                await asyncio.sleep(turn.think_s * scale)
+            res = await send_one(session, next(rotation), conv, k, answers, t0)
+            out.append(res)
+            if not res.ok:
+                return
+            answers.append(res.text)
+
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(conversation(session, c, t0) for c in convs))
+    return out
+
+
+def client_figures(results: list[RequestResult]) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    ttft = stats.latency_summary([r.ttft_s for r in ok if r.ttft_s is not None])
+    start = min((r.sent_s for r in results), default=0.0)
+    end = max((r.sent_s + (r.e2e_s or 0.0) for r in ok), default=0.0)
+    return {
+        "ttft_p50_s": ttft["p50"],
+        "ttft_p95_s": stats.percentile([r.ttft_s for r in ok if r.ttft_s is not None], 95),
+        "ttft_p99_s": ttft["p99"],
+        "ttft_mean_s": ttft["mean"],
+        "tokens_per_s": stats.throughput(sum(r.completion_tokens for r in ok), start, end),
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "client": "kvroute loadtest.client",
+    }
+
+
+def synthetic(name: str, mcfg: MatrixConfig, seed: int) -> list[Conversation]:
+    if name == "chat":
+        return chat_workload(
+            ChatConfig(
+                users=mcfg.chat_users,
+                turns=mcfg.chat_turns,
+                system_tokens=500,
+                question_tokens=50,
+                answer_tokens=48,
+                think_time_s=2.0,
+                arrival_rate=mcfg.chat_arrival_rate,
+                seed=seed,
+            )
+        )
+    return shared_prefix_workload(
+        SharedPrefixConfig(
+            groups=mcfg.prefix_groups,
+            prompts_per_group=mcfg.prefix_prompts,
+            system_tokens=2000,
+            question_tokens=64,
+            output_tokens=24,
+            arrival_rate=mcfg.prefix_arrival_rate,
+            seed=seed,
+            zipf=mcfg.prefix_zipf,
+        )
+    )
+
+
+def run_workload(
+    cfg: FleetBenchConfig,
+    mcfg: MatrixConfig,
+    workload: str,
+    urls: Sequence[str],
+    worker_urls: Sequence[str],
+    model_dir: str,
+    work: Path,
+) -> dict[str, Any]:
+    """One workload through ``urls`` (one router, or kvroute replicas); worker-counter hit rate."""
+    scale = cfg.emulated_time_scale
+    model = served_model(worker_urls[0])
+    reset_caches(worker_urls)
+    before = worker_counters(worker_urls)
+    if workload == "mooncake":
+        binary = aiperf_client.ensure_aiperf(mcfg.aiperf_venv)
+        cache = work / "hub"
+        tokenizer = aiperf_client.hub_cache(model_dir, cache)
+        trace = work / "mooncake-rescaled.jsonl"
+        shape = aiperf_client.rescale_trace(
+            ROOT / mcfg.trace,
+            trace,
+            block_tokens=mcfg.trace_block_tokens,
+            limit=mcfg.trace_limit,
+            time_scale=scale,
+            speedup=mcfg.trace_speedup,
+        )
+        artifacts = work / f"aiperf-{len(list(work.glob('aiperf-*')))}"
+        cmd = aiperf_client.aiperf_command(
+            binary,
+            model=model,
+            tokenizer=tokenizer,
+            urls=urls,
+            trace=trace,
+            block_tokens=mcfg.trace_block_tokens,
+            artifact_dir=artifacts,
+        )
+        timeout = 600 + shape["span_s"] * scale * 3
+        out = aiperf_client.run_aiperf(cmd, cache, artifacts, time_scale=scale, timeout_s=timeout)
+        out["trace"] = shape
+    else:
+        clients = [
+            ClientConfig(base_url=u, model=model, ignore_eos=True, time_scale=scale) for u in urls
+        ]
+        convs = synthetic(workload, mcfg, cfg.seed)
+        out = client_figures(unscale(asyncio.run(play_spread(convs, clients)), scale))
+    delta = counters_delta(before, worker_counters(worker_urls))
+    out["hit_rate"] = delta["hit_rate"]
+    out["max_worker_share"] = max(delta["prompt_share"].values(), default=float("nan"))
+    out["prompt_tokens"] = delta["prompt_tokens"]
+    return out
+
+
+def run_router(
+    cfg: FleetBenchConfig, pcfg: Any, mcfg: MatrixConfig, router: str
+) -> dict[str, dict[str, Any]]:
+    """A fresh emulated fleet for ``router``; every workload on it, in order."""
+    from loadtest import bench_peers
+
+    policy = "round_robin" if router == "kvroute_round_robin" else "kvroute"
+    out: dict[str, dict[str, Any]] = {}
+    work = Path(tempfile.mkdtemp(prefix=f"kvroute-matrix-{router}-"))
+    with Fleet(fleet_config(cfg, policy, router)) as fleet:
+        worker_urls = [w.http_url for w in fleet.workers]
+        urls = [fleet.gateway_url]
+        extra: list[subprocess.Popen[bytes]] = []
+        try:
+            if router == "kvroute_3_replicas":
+                more, extra = start_replicas(fleet, 2)
+                urls += more
+            for workload in mcfg.workloads:
+                started = time.perf_counter()
+                try:
+                    if router in ("sglang", "vllm"):
+                        out[workload] = bench_peers.with_peer(
+                            cfg,
+                            pcfg,
+                            router,
+                            fleet,
+                            work,
+                            lambda url, w=workload: run_workload(
+                                cfg, mcfg, w, [url], worker_urls, fleet.model_dir, work
+                            ),
+                        )
+                    else:
+                        out[workload] = run_workload(
+                            cfg, mcfg, workload, urls, worker_urls, fleet.model_dir, work
+                        )
+                except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                    logger.warning("%s on %s failed: %s", router, workload, exc)
+                    out[workload] = {"error": f"{type(exc).__name__}: {exc}"}
+                out[workload]["wall_s"] = time.perf_counter() - started
+        finally:
+            for proc in extra:
+                proc.terminate()
+                proc.wait(timeout=15)
+    return out
+
+
+def verdict(table: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """kvroute vs every peer on every workload, and 3 replicas vs 1; ``target_met`` from these."""
+    checks: dict[str, Any] = {}
+    ok = True
+    for workload, rows in table.items():
+        kv = rows.get("kvroute", {})
+        if "hit_rate" not in kv:
+            checks[workload] = {"checked": False}
+            ok = False
+            continue
+        row: dict[str, Any] = {}
+        for peer in ("kvroute_round_robin", "sglang", "vllm"):
+            p = rows.get(peer, {})
+            if "hit_rate" not in p:
+                row[peer] = "missing"
+                ok = False
+                continue
+            wins = {
+                "hit_rate": kv["hit_rate"] >= p["hit_rate"],
+                "ttft_p50_s": kv["ttft_p50_s"] <= p["ttft_p50_s"],
+                "ttft_p99_s": kv["ttft_p99_s"] <= p["ttft_p99_s"],
+            }
+            row[peer] = wins
+            ok = ok and all(wins.values())
+        r3 = rows.get("kvroute_3_replicas", {})
+        if "hit_rate" in r3:
+            same = {
+                "hit_rate_within_5pct": r3["hit_rate"] >= 0.95 * kv["hit_rate"],
+                "ttft_p99_within_5pct": r3["ttft_p99_s"] <= 1.05 * kv["ttft_p99_s"],
+            }
+            row["kvroute_3_replicas"] = same
+            ok = ok and all(same.values())
+        else:
+            row["kvroute_3_replicas"] = "missing"
+            ok = False
+        checks[workload] = row
+    return {"checks": checks, "target_met": ok}
+
+
+def run(cfg: FleetBenchConfig, pcfg: Any, mcfg: MatrixConfig, command: str) -> dict[str, Any]:
+    """Every router (fresh fleet each) x every workload; the issue's JSON shape."""
+    by_router: dict[str, dict[str, dict[str, Any]]] = {}
+    for router in pcfg.routers:
+        logger.warning("router %s: starting a fresh fleet of %d workers", router, cfg.workers)
+        by_router[router] = run_router(cfg, pcfg, mcfg, router)
+    keys = ("hit_rate", "ttft_p50_s", "ttft_p99_s", "tokens_per_s", "max_worker_share")
+    workloads: dict[str, dict[str, dict[str, Any]]] = {}
+    for workload in mcfg.workloads:
+        workloads[workload] = {}
+        for router, rows in by_router.items():
+            r = rows.get(workload, {})
+            workloads[workload][router] = (
+                {k: r[k] for k in keys} if "hit_rate" in r else {"error": r.get("error", "?")}
+            )
+    return {
+        "workloads": workloads,
+        "command": command,
+        "load_average": os.getloadavg(),
+        **verdict(workloads),
+        "config": {
+            "fleet": {
+                "workers": cfg.workers,
+                "engine": cfg.engine,
+                "profile": cfg.profile,
+                "emulated_time_scale": cfg.emulated_time_scale,
+                "num_blocks": cfg.num_blocks,
+                "max_num_seqs": cfg.max_num_seqs,
+            },
+            "matrix": {k: v for k, v in vars(mcfg).items()},
+        },
+        "details": by_router,
+    }
+
+
+def matrix_config(args: Any) -> MatrixConfig:
+    d = MatrixConfig()
+    workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+    return replace(
+        d,
+        workloads=workloads,
+        trace_limit=args.trace_limit,
+        trace_block_tokens=args.trace_block_tokens,
+        trace_speedup=args.trace_speedup,
+    )
