@@ -273,3 +273,24 @@ async def test_publisher_and_mirror_on_a_three_node_cluster(redis_cluster: list[
         for pub, _ in pubs[1:]:
             await pub.stop()
         await cluster.aclose()
+
+
+async def test_a_dropped_connection_reloads_nothing_that_did_not_change(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    layout = RedisLayout(namespace())
+    mirror = IndexMirror(redis_url, layout, BlockIndex(), poll_s=0.05)
+    regs = [FakeRegistration(client, layout, w, "127.0.0.1:1", SPEC) for w in ("a", "b")]
+    for n, reg in enumerate(regs):
+        await reg.register()
+        await reg.store([10 * n + 1, 10 * n + 2])
+    async with running(mirror):
+        await eventually(lambda: mirror.index.stats().entries == 4, what="loaded")
+        reconnects = mirror.reconnects
+        # Every client connection of this Redis is cut (a failover, a proxy restart).
+        await client.client_kill_filter(_type="normal", skipme=True)
+        await eventually(lambda: mirror.reconnects > reconnects, what="reconnect")
+        await regs[0].store([3])  # the tail resumes where it was
+        await eventually(lambda: mirror.index.holds("a", 3), what="tail after reconnect")
+        assert [mirror.workers[w].loads for w in ("a", "b")] == [1, 1]
+        assert mirror.reloads == 0
+    await client.aclose()
