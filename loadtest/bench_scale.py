@@ -134,6 +134,12 @@ def bench_fleet(workers: int, blocks: int, lookups: int, others: int) -> dict[st
     """Builds one fleet's index in-process and times lookups and routing."""
     gc.collect()
     fleet = Fleet(workers, blocks)
+    # Warm-up: numpy's and the allocator's one-time costs are not the index's.
+    warm = BlockIndex()
+    warm.add("warm", _hashes(50_000).tolist())
+    warm.longest_prefix(_hashes(8).tolist())
+    del warm
+    gc.collect()
     rss0 = _rss()
     index = BlockIndex()
     ids = [f"w{i}" for i in range(workers)]
