@@ -47,6 +47,24 @@ _FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("--max-queue-per-worker", int, 0, "answer 429 when every worker queues this many (0 = off)"),
     ("--request-timeout", float, 600.0, "seconds a request may take end to end"),
     ("--max-body-bytes", int, 4 * 1024 * 1024, "largest accepted request body (413 above)"),
+    (
+        "--first-token-timeout",
+        float,
+        60.0,
+        "seconds to wait for a worker's first token before retrying on another",
+    ),
+    (
+        "--inter-token-timeout",
+        float,
+        30.0,
+        "seconds a streaming worker may stay silent before the stream ends with an error",
+    ),
+    (
+        "--engine-stall-s",
+        float,
+        5.0,
+        "skip workers whose heartbeat says the engine has not stepped for this long",
+    ),
     ("--api-keys-file", str, "", "JSON of bearer key -> tenant (optional)"),
     ("--grpc-tls-ca", str, "", "PEM CA bundle: dial workers over gRPC TLS (optional)"),
     ("--log-level", str, "info", "one of " + ", ".join(LOG_LEVELS)),
@@ -130,6 +148,9 @@ async def serve(config: GatewayConfig) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
+        first_token_timeout_s=v["--first-token-timeout"],
+        inter_token_timeout_s=v["--inter-token-timeout"],
+        engine_stall_s=v["--engine-stall-s"],
     await site.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -27,6 +27,9 @@ class GatewayConfig:
     speculative_ttl_s: float = 2.0  # 0 = no speculative index entries
     max_queue_per_worker: int = 0  # 0 = never answer 429
     request_timeout_s: float = 600.0
+    first_token_timeout_s: float = 60.0  # silent before the first token: retry elsewhere
+    inter_token_timeout_s: float = 30.0  # silent mid-stream: end it with an error event
+    engine_stall_s: float = 5.0  # a heartbeat saying the engine has not stepped this long
     max_body_bytes: int = 4 * 1024 * 1024
     api_keys_file: Path | None = None
     grpc_tls_ca: Path | None = None  # PEM CA bundle: dial workers over TLS
@@ -50,6 +53,9 @@ class GatewayConfig:
             (self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024"),
             (
                 self.grpc_tls_ca is None or self.grpc_tls_ca.is_file(),
+            (self.first_token_timeout_s > 0, "--first-token-timeout must be > 0"),
+            (self.inter_token_timeout_s > 0, "--inter-token-timeout must be > 0"),
+            (self.engine_stall_s > 0, "--engine-stall-s must be > 0"),
                 f"--grpc-tls-ca {self.grpc_tls_ca}: no such file",
             ),
             (self.log_level.lower() in LOG_LEVELS, f"--log-level: one of {LOG_LEVELS}"),

@@ -323,6 +323,7 @@ def add_matrix_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-limit", type=int, default=d.trace_limit)
     g.add_argument("--trace-block-tokens", type=int, default=d.trace_block_tokens)
     g.add_argument("--trace-speedup", type=float, default=d.trace_speedup)
+    g.add_argument("--plot-dir", default="", help="write one PNG per workload here")
 
 
 def main_emulated(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
@@ -346,6 +347,10 @@ def main_emulated(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     shown = sys.argv[1:] if argv is None else list(argv)
     command = "python -m loadtest.bench_peers " + " ".join(shown)
     result = peers_matrix.run(cfg, pcfg, mcfg, command)
+    if args.plot_dir:
+        from loadtest.plots import plot_router_matrix
+
+        result["plots"] = plot_router_matrix(result["workloads"], args.plot_dir)
     print(json.dumps(jsonable(result), indent=None if args.json else 2, default=str))
     return 0
 

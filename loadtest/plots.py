@@ -61,3 +61,36 @@ def plot_per_turn(
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_router_matrix(workloads: Mapping[str, Mapping[str, Any]], folder: str | Path) -> list[str]:
+    """One PNG per workload of ``bench_peers --engine emulated``: hit rate and TTFT per router."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for workload, rows in workloads.items():
+        routers = [r for r, v in rows.items() if "hit_rate" in v]
+        fig, (ax_hit, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
+        x = range(len(routers))
+        ax_hit.bar(x, [rows[r]["hit_rate"] * 100 for r in routers], color="C0")
+        ax_hit.set_ylabel("token hit rate (%, workers' counters)")
+        width = 0.4
+        p50 = [rows[r]["ttft_p50_s"] * 1000 for r in routers]
+        p99 = [rows[r]["ttft_p99_s"] * 1000 for r in routers]
+        ax_ttft.bar([i - width / 2 for i in x], p50, width, label="p50", color="C1")
+        ax_ttft.bar([i + width / 2 for i in x], p99, width, label="p99", color="C3")
+        ax_ttft.set_ylabel("TTFT (ms)")
+        ax_ttft.legend()
+        for ax in (ax_hit, ax_ttft):
+            ax.set_xticks(list(x), routers, rotation=20, ha="right", fontsize=8)
+        fig.suptitle(f"{workload}: routers on one emulated fleet each")
+        fig.tight_layout()
+        path = Path(folder) / f"bench_peers_{workload}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(str(path))
+    return paths

@@ -30,6 +30,7 @@ from gateway.routing.mirror import IndexMirror
 from gateway.routing.router import Router
 from gateway.routing.sessions import SessionMap
 from gateway.text.fingerprint import tokenizer_fingerprint
+from gateway.routing.record_check import RecordCheck
 from gateway.text.tokenizer import ChatTokenizer
 from gateway.upstream.base import Upstream
 from gateway.upstream.grpc_worker import GrpcUpstream
@@ -224,6 +225,9 @@ def create_app(config: GatewayConfig, *, tokenizer: ChatTokenizer | None = None)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
+        first_token_timeout_s=config.first_token_timeout_s,
+        inter_token_timeout_s=config.inter_token_timeout_s,
+        record_check=RecordCheck(metrics.registry, stall_s=config.engine_stall_s),
     app.router.add_get("/dashboard", dashboard.page)
     app.router.add_get("/dashboard/data", dashboard.data)
     app.cleanup_ctx.append(_background)

@@ -1,4 +1,4 @@
-"""A worker that leaves the fleet loses no request: a rolling restart and a hung worker.
+"""A worker that leaves, hangs or lies loses no request: rolling restart, SIGSTOP, rogue records.
 
 Rolling restart: two real workers, each SIGTERMed in turn (and started again)
 while 30 streaming conversations run through a real gateway. The worker
@@ -6,18 +6,30 @@ deregisters first, refuses new calls (the gateway retries them elsewhere before
 their first token) and finishes the streams it has; the gateway keeps a
 departed worker's channel open for those streams. Every stream must end with a
 finish reason and ``[DONE]``, with no error and no non-200 answer.
+
+SIGSTOP: a worker frozen mid-load. Requests waiting for its first token are
+retried elsewhere as soon as its heartbeat lapses; streams it had started end
+with an in-band error after the inter-token timeout; none hangs, and no new
+request is routed to it once its heartbeat lapsed (TTL 2 s).
+
+Rogue records: registry hashes written straight into Redis (a NaN prefill
+rate, a 2-token context) are left out of routing: no 500, no fleet-wide limit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
+import redis
 
+from contract.redis_layout import RedisLayout, WorkerRecord
 from loadtest.fleet import Fleet, FleetConfig
 from tests.reliability.fleetkit import StreamResult, call, dashboard, model_name, stream
 from tests.support import RedisProcess
@@ -25,6 +37,8 @@ from tests.support import RedisProcess
 pytestmark = pytest.mark.slow
 
 CONVERSATIONS = 30
+NAMESPACE = "kvleaves"
+TIMEOUT_S = 3.0  # the gateway's inter-token timeout here (first-token: 30 s)
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +48,20 @@ def fleet(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         model=str(tiny_llama),
         workers=2,
         redis_url=proc.url,
-        namespace="kvleaves",
+        namespace=NAMESPACE,
         num_blocks=1024,
         max_num_seqs=8,
         heartbeat_interval=0.5,
         heartbeat_ttl=2.0,
         log_dir=str(tmp_path_factory.mktemp("leaves-logs")),
-        gateway_args=("--log-level", "warning"),
+        gateway_args=(
+            "--log-level",
+            "warning",
+            "--first-token-timeout",
+            "30",
+            "--inter-token-timeout",
+            str(TIMEOUT_S),
+        ),
     )
     try:
         with Fleet(config) as f:
@@ -97,3 +118,82 @@ async def test_rolling_restart_under_streaming_conversations(fleet: Fleet) -> No
     rows = dashboard(fleet.gateway_url)
     assert set(rows) == {"worker-0", "worker-1"} and all(r["healthy"] for r in rows.values())
     assert call(fleet.gateway_url + "/readyz").body["healthy_workers"] == 2
+
+
+def _worker(fleet: Fleet, worker_id: str):  # -> loadtest.fleet.WorkerProcess
+    return next(w for w in fleet.workers if w.worker_id == worker_id)
+
+
+async def test_sigstopped_worker_loses_no_request(fleet: Fleet) -> None:
+    model = model_name(fleet)
+    url = fleet.gateway_url + "/v1/completions"
+    victim = _worker(fleet, "worker-0")
+    done: list[tuple[float, StreamResult]] = []
+    stop = asyncio.Event()
+
+    async def client(n: int, session: aiohttp.ClientSession) -> None:
+        i = 0
+        while not stop.is_set():
+            body = {"model": model, "prompt": f"client {n} turn {i} " * 4, "max_tokens": 32}
+            started = time.monotonic()
+            res = await stream(session, url, body | {"ignore_eos": True})
+            done.append((time.monotonic() - started, res))
+            i += 1
+
+    probes: list[tuple[int, str]] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        tasks = [asyncio.create_task(client(n, session)) for n in range(10)]
+        await asyncio.sleep(1.5)
+        victim.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(3.0)  # past the 2 s TTL and a registry poll
+            for i in range(6):  # new requests: never routed to the frozen worker
+                body = {"model": model, "prompt": f"probe {i}", "max_tokens": 4}
+                async with session.post(url, json=body) as resp:
+                    probes.append((resp.status, resp.headers.get("x-kvroute-worker", "")))
+                await asyncio.sleep(0.3)
+        finally:
+            victim.proc.send_signal(signal.SIGCONT)
+        await asyncio.sleep(1.0)
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    assert probes and all(p == (200, "worker-1") for p in probes), probes
+    results = [r for _, r in done]
+    assert all(r.status == 200 and r.done for r in results), [r.error for r in results]
+    cut = [r for r in results if not r.ok]
+    assert all(r.error and r.error["error"]["code"] == "timeout" for r in cut), cut[:2]
+    assert len(cut) <= 10  # at most the streams that were running on it
+    # Nothing waited much past the timeouts: retry after one, error after the other.
+    assert max(t for t, _ in done) < 2 * TIMEOUT_S + 10, max(t for t, _ in done)
+    fleet.wait_ready()  # the worker re-registers once it runs again
+
+
+def test_rogue_registry_records_are_ignored(fleet: Fleet) -> None:
+    model = model_name(fleet)
+    layout = RedisLayout(NAMESPACE)
+    r = redis.Redis.from_url(fleet.redis_url)
+    models_before = call(fleet.gateway_url + "/v1/models").body["data"][0]
+    rogues = {
+        "rogue-nan": {"prefill_tokens_per_s": math.nan},
+        "rogue-tiny": {"max_model_len": 2, "prefill_tokens_per_s": 1e9},
+    }
+    base = WorkerRecord(worker_id="", address="127.0.0.1:1", model=model, epoch="rogue")
+    try:
+        for wid, fields in rogues.items():
+            rec = WorkerRecord(**{**base.__dict__, "worker_id": wid, **fields})
+            r.hset(layout.worker(wid), mapping=rec.to_mapping())  # no TTL: it never expires
+            r.sadd(layout.workers, wid)
+        time.sleep(1.5)  # a few registry polls
+        for i in range(8):
+            body = {"model": model, "prompt": f"after the rogues {i} " * 3, "max_tokens": 4}
+            reply = call(fleet.gateway_url + "/v1/completions", body)
+            assert reply.status == 200, reply.body
+            assert reply.headers["x-kvroute-worker"] in ("worker-0", "worker-1")
+        assert call(fleet.gateway_url + "/v1/models").body["data"][0] == models_before
+        metrics = call(fleet.gateway_url + "/metrics").body
+        assert 'reason="prefill_tokens_per_s_not_finite"} 1.0' in metrics
+    finally:
+        for wid in rogues:
+            r.delete(layout.worker(wid))
+            r.srem(layout.workers, wid)

@@ -123,6 +123,12 @@ class EventQueue:
         return len(self._items)
 
 
+def _step_age(engine: Any) -> float:
+    """The engine's ``step_age_s()`` (engines without one, e.g. test fakes: 0)."""
+    age = getattr(engine, "step_age_s", None)
+    return float(age()) if age is not None else 0.0
+
+
 @dataclass(frozen=True)
 class PublisherConfig:
     """Where and how often the publisher writes."""
@@ -437,6 +443,7 @@ class Publisher:
             prefill_tokens_per_s=float(stats.prefill_tokens_per_s),
             decode_tokens_per_s=float(stats.decode_tokens_per_s),
             updated_at=time.time(),
+            engine_step_age_s=_step_age(self.engine),
         )
 
     def _encode(self, seq: int, events: Sequence[KVEvent]) -> bytes:

@@ -139,7 +139,7 @@ class WorkerProcess:
         if cfg.pin_system_prompt is not None:
             await self._pin(tokenizer, cfg.pin_system_prompt)
 
-        service = WorkerService(self.engine, worker_id=cfg.worker_id)
+        service = WorkerService(self.engine, worker_id=cfg.worker_id, stall_s=cfg.engine_stall_s)
         self.grpc_server, self.grpc_port = await start_grpc_server(
             service, cfg.host, cfg.grpc_port, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
         )
@@ -154,6 +154,7 @@ class WorkerProcess:
                 worker_id=cfg.worker_id,
                 metrics=metrics,
                 trust_body_salt=cfg.trust_body_salt,
+                stall_s=cfg.engine_stall_s,
             )
             self.http_runner, self.http_port = await start_http_server(
                 app, cfg.host, cfg.http_port, shutdown_timeout_s=cfg.drain_grace_s

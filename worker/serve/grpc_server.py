@@ -42,15 +42,22 @@ def sampling_from_proto(
         seed=int(msg.seed) if msg.HasField("seed") else None,
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
         ignore_eos=bool(msg.ignore_eos),
+        presence_penalty=float(msg.presence_penalty),
+        frequency_penalty=float(msg.frequency_penalty),
+        repetition_penalty=float(msg.repetition_penalty) or 1.0,
+        min_p=float(msg.min_p),
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in msg.logit_bias.items())),
+        logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None,
     )
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     """Serves one engine over gRPC."""
 
-    def __init__(self, engine: Any, *, worker_id: str) -> None:
+    def __init__(self, engine: Any, *, worker_id: str, stall_s: float = 10.0) -> None:
         self.engine = engine
         self.worker_id = worker_id
+        self.stall_s = stall_s  # Health says not serving past this long without a step
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -73,6 +80,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 chunk = pb.GenerateResponse(
                     token_ids=out.new_token_ids, finished=out.finished, worker_id=self.worker_id
                 )
+                for lp in out.new_logprobs:
+                    chunk.logprobs.add(
+                        logprob=lp.logprob,
+                        top_ids=[t for t, _ in lp.top],
+                        top_logprobs=[v for _, v in lp.top],
+                    )
                 if out.finished:
                     finished = True
                     chunk.finish_reason = out.finish_reason or "stop"
@@ -103,9 +116,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Health(
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
     ) -> pb.HealthResponse:
+        problem = self.engine.health(self.stall_s)
+        if problem is not None:
+            logger.warning("health: %s", problem)
         stats = self.engine.stats()
         return pb.HealthResponse(
-            serving=True,
+            serving=problem is None,
             running=int(stats.running),
             waiting=int(stats.waiting),
             free_blocks=int(stats.free_blocks),

@@ -56,6 +56,7 @@ class FrontInfo:
     max_model_len: int
     trust_body_salt: bool = False
 
+    stall_s: float = 10.0  # /health fails past this long without an engine step
 
 # The engine and tokenizer are duck-typed (worker.engine.core.Engine, a transformers tokenizer).
 ENGINE: web.AppKey[Any] = web.AppKey("engine")
@@ -95,12 +96,15 @@ def create_app(
     metrics: WorkerMetrics,
     trust_body_salt: bool = False,
 ) -> web.Application:
+    stall_s: float = 10.0,
     """The aiohttp application; all state lives under typed ``AppKey``s."""
     app = web.Application(middlewares=[_errors], client_max_size=64 << 20)
     app[ENGINE] = engine
     app[TOKENIZER] = tokenizer
     app[METRICS] = metrics
-    app[INFO] = FrontInfo(model_name, worker_id, int(engine.max_model_len), trust_body_salt)
+    app[INFO] = FrontInfo(
+        model_name, worker_id, int(engine.max_model_len), trust_body_salt, stall_s
+    )
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions/render", render_completion)
@@ -500,7 +504,13 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "worker_id": request.app[INFO].worker_id})
+    """200 while the engine steps; 503 when its thread died or is stuck (a liveness probe)."""
+    info = request.app[INFO]
+    problem = request.app[ENGINE].health(info.stall_s)
+    if problem is not None:
+        body = {"status": "unhealthy", "reason": problem, "worker_id": info.worker_id}
+        return web.json_response(body, status=503)
+    return web.json_response({"status": "ok", "worker_id": info.worker_id})
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
