@@ -73,11 +73,11 @@ class MatrixConfig:
 
     workloads: tuple[str, ...] = WORKLOADS
     trace: str = "loadtest/traces/mooncake_conversation_trace.jsonl"
-    trace_limit: int = 240
+    trace_limit: int = 1000
     trace_block_tokens: int = 32
-    trace_speedup: float = 1.0
-    chat_users: int = 48
-    chat_turns: int = 4
+    trace_speedup: float = 8.0
+    chat_users: int = 32
+    chat_turns: int = 3
     chat_arrival_rate: float = 2.0
     prefix_groups: int = 12
     prefix_prompts: int = 16

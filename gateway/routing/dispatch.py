@@ -2,20 +2,25 @@
 
 The request path (``gateway.request_path``) calls these steps in order:
 
-- ``candidates``: workers in the registry mirror, minus those that just failed.
-- ``hash``: the prompt's block chain under each candidate's hash spec plus the
-  tenant's salt (one chain per distinct spec; usually one).
+- ``candidates``: workers in the registry mirror, minus those that just failed,
+  whose record is malformed or whose engine stalled (``record_check``).
+- ``hash``: the workers whose context fits the job, and the prompt's block
+  chain under each one's hash spec plus the tenant's salt (one chain per
+  distinct spec; usually one).
 - ``look_up``: the index's longest cached prefix per worker (speculative included).
 - ``choose``: ``Router.choose`` over each candidate's corrected load.
-- ``open``: the upstream call to the chosen worker; if it fails before its
-  first token, the next worker in ``Decision.ranked`` gets it.
+- ``open``: the upstream call to the chosen worker; if it fails (or stays
+  silent past the first-token timeout) before its first token, the next
+  worker in ``Decision.ranked`` gets it. After the first token, a worker
+  silent past the inter-token timeout ends the stream with an error.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from contract.hashing import HashSpec
 from gateway.edge.auth import Tenant
@@ -24,6 +29,7 @@ from gateway.observe.window_stats import RequestRecord, RollingStats
 from gateway.routing.index import BlockIndex
 from gateway.routing.load import GatewayLoad, corrected_load
 from gateway.routing.mirror import IndexMirror, WorkerEntry
+from gateway.routing.record_check import RecordCheck
 from gateway.routing.router import Decision, Router, RouteRequest, WorkerState
 from gateway.routing.sessions import SessionMap
 from gateway.text.prefix_tokens import Prompt
@@ -33,6 +39,7 @@ from openai_api.errors import APIError
 logger = logging.getLogger(__name__)
 
 _FAILED_COOLDOWN_S = 2.0  # a worker that refused a call is skipped this long
+_WATCH_S = 0.25  # how often a request waiting for its first token checks on its worker
 DEFAULT_TRANSPORT = "grpc"
 
 
@@ -46,6 +53,8 @@ class Job:
     tenant: Tenant
     session_key: str | None
     started: float  # perf_counter() when the HTTP request arrived
+    # False when the client left max_tokens unset: each worker fills its own context.
+    max_tokens_fixed: bool = True
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -83,8 +92,28 @@ class Stream:
         self._closed = False
 
     async def next(self) -> Chunk | None:
-        """The next chunk, or None at the end of the stream; raises ``UpstreamError``."""
-        return await self._call.read()
+        """The next chunk, or None at the end of the stream; raises ``UpstreamError``.
+
+        A worker silent for the inter-token timeout (hung, stopped, cut off)
+        ends the stream with a 504 instead of holding the client forever.
+        """
+        limit = self._d.inter_token_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                return await self._call.read()
+        except TimeoutError:
+            self._call.cancel()
+            logger.warning(
+                "request %s: worker %s sent nothing for %.1fs; ending the stream",
+                self.job.request_id,
+                self.worker_id,
+                limit,
+            )
+            raise UpstreamError(
+                f"no token within the inter-token timeout ({limit:g}s)",
+                retryable=False,
+                api_error=APIError(504, "the worker stopped producing tokens", code="timeout"),
+            ) from None
 
     def close(self, cached_tokens: int | None) -> None:
         """Ends the call (aborting it on the worker if still running) and records the outcome."""
@@ -113,6 +142,9 @@ class Dispatcher:
         request_timeout_s: float,
         max_retries: int,
     ) -> None:
+        first_token_timeout_s: float = 60.0,
+        inter_token_timeout_s: float = 30.0,
+        record_check: RecordCheck | None = None,
         self.mirror = mirror
         self.index = index
         self.router = router
@@ -125,23 +157,38 @@ class Dispatcher:
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self.loads: dict[str, GatewayLoad] = {}
+        self.first_token_timeout_s = first_token_timeout_s
+        self.inter_token_timeout_s = inter_token_timeout_s
+        self.record_check = record_check or RecordCheck(metrics.registry, stall_s=5.0)
         self._down_until: dict[str, float] = {}
 
     # -- candidates and load ------------------------------------------------------
 
     def healthy(self) -> list[WorkerEntry]:
-        """Workers to route to: registered, and not failing right now."""
+        """Workers to route to: registered, sane records, engine stepping, not failing now."""
         now = time.monotonic()
         return [
             e
             for wid, e in sorted(self.mirror.workers.items())
-            if self._down_until.get(wid, 0.0) <= now
+            if self._down_until.get(wid, 0.0) <= now and self.record_check.problem(e.record) is None
         ]
 
     def max_model_len(self, default: int) -> int:
-        """The smallest context any healthy worker accepts (``default`` if none says)."""
+        """The largest context a healthy worker accepts (``default`` if none says).
+
+        Per worker, ``hash`` keeps only the workers a job fits, so one small
+        worker never shrinks what the fleet accepts.
+        """
         lens = [e.record.max_model_len for e in self.healthy() if e.record.max_model_len > 0]
-        return min(lens) if lens else default
+        return max(lens) if lens else default
+
+    def fits(self, job: Job, entry: WorkerEntry) -> bool:
+        """Whether ``entry``'s context holds the prompt (and ``max_tokens`` when the client set it)."""
+        limit = entry.record.max_model_len
+        if limit <= 0:
+            return True  # unknown: the gateway's own limit was checked already
+        need = len(job.prompt_ids) + (job.generation.max_tokens if job.max_tokens_fixed else 1)
+        return need <= limit
 
     def state(self, entry: WorkerEntry, cached_blocks: int) -> WorkerState:
         """The router's view of ``entry``: its heartbeat, corrected by this gateway's own view."""
@@ -180,7 +227,17 @@ class Dispatcher:
         return entries
 
     def hash(self, job: Job, entries: list[WorkerEntry]) -> Candidates:
-        """Each candidate's block chain of the prompt (computed once per distinct spec)."""
+        """Each fitting candidate's block chain of the prompt (once per distinct spec)."""
+        fitting = [e for e in entries if self.fits(job, e)]
+        if not fitting:
+            raise APIError(
+                400,
+                f"the prompt ({len(job.prompt_ids)} tokens) + max_tokens "
+                f"({job.generation.max_tokens}) fits no worker's context",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        entries = fitting
         by_spec: dict[HashSpec, list[int]] = {}
         chains: dict[str, list[int]] = {}
         for e in entries:
@@ -234,10 +291,13 @@ class Dispatcher:
         self.metrics.routing_seconds.observe(time.perf_counter() - job.started)
         deadline = time.monotonic() + self.request_timeout_s
         last_error: UpstreamError | None = None
-        for attempt, wid in enumerate(decision.ranked[: 1 + self.max_retries]):
-            entry = self.mirror.workers.get(wid)
-            if entry is None:
-                continue
+        tried: list[str] = []
+        for attempt in range(1 + self.max_retries):
+            picked = self._next_worker(job, decision.ranked, tried)
+            if picked is None:
+                break
+            wid, entry = picked
+            tried.append(wid)
             reason = decision.reason if attempt == 0 else "retry"
             block_size = entry.spec.block_size if entry.spec else 16
             predicted = min(cached.get(wid, 0) * block_size, len(job.prompt_ids))
@@ -251,11 +311,14 @@ class Dispatcher:
             load.pending_prefill_tokens += uncached
             generation = job.generation
             if attempt:
+            if not job.max_tokens_fixed and entry.record.max_model_len > 0:
+                budget = entry.record.max_model_len - len(job.prompt_ids)
+                generation = replace(generation, max_tokens=min(generation.max_tokens, budget))
                 generation = _retry_of(generation, attempt)
             upstream = self.upstreams[getattr(entry.record, "transport", "") or DEFAULT_TRANSPORT]
             call = upstream.start(wid, entry.record.address, generation, max(0.001, deadline - now))
             try:
-                first = await _first_chunk(call)
+                first = await self._first_chunk(wid, call)
             except UpstreamError as exc:
                 load.inflight -= 1
                 if not exc.retryable:
@@ -299,6 +362,28 @@ class Dispatcher:
         )
 
     def finished(self, stream: Stream, cached_tokens: int | None) -> None:
+    def _next_worker(
+        self, job: Job, ranked: tuple[str, ...], tried: list[str]
+    ) -> tuple[str, WorkerEntry] | None:
+        """The next worker to try: the router's ranking, then any healthy worker that
+        joined since (a request queued through a rolling restart outlives its ranking)."""
+        for wid in ranked:
+            entry = self.mirror.workers.get(wid)
+            if wid not in tried and entry is not None:
+                return wid, entry
+        fresh = [
+            e
+            for e in self.healthy()
+            if e.record.worker_id not in tried
+            and e.record.worker_id not in ranked
+            and self.fits(job, e)
+        ]
+        if not fresh:
+            return None
+        load = self.loads.get
+        best = min(fresh, key=lambda e: getattr(load(e.record.worker_id), "inflight", 0))
+        return best.record.worker_id, best
+
         """Bookkeeping when a stream ends (called once, by ``Stream.close``)."""
         wid = stream.worker_id
         load = self.loads.setdefault(wid, GatewayLoad())
@@ -319,16 +404,52 @@ class Dispatcher:
         )
 
     def forget(self, worker_id: str) -> None:
-        """Drops per-worker state of a worker that left the registry."""
+        """Drops per-worker state of a worker that left the registry.
+
+        Calls still streaming from it keep running (a draining worker finishes
+        them); each upstream closes its connection once they are done.
+        """
+        self.record_check.forget(worker_id)
         self.loads.pop(worker_id, None)
         self._down_until.pop(worker_id, None)
         for upstream in self.upstreams.values():
             upstream.forget(worker_id)
 
 
-def _retry_of(g: Generation, attempt: int) -> Generation:
-    from dataclasses import replace
+    async def _first_chunk(self, wid: str, call: UpstreamCall) -> Chunk:
+        """``_first_chunk``, given up (retryably) when the worker leaves or stalls, or at the
+        first-token timeout.
 
+        A request queued on a worker that deregistered (drain), whose heartbeat
+        lapsed (SIGSTOP, crash) or whose engine stalled has no token yet, so
+        another worker can take it at once instead of after a timeout.
+        """
+        limit = self.first_token_timeout_s
+        give_up = time.monotonic() + limit
+        task = asyncio.ensure_future(_first_chunk(call))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_WATCH_S)
+                if done:
+                    return task.result()
+                entry = self.mirror.workers.get(wid)
+                gone = entry is None or self.record_check.problem(entry.record) is not None
+                if gone or time.monotonic() >= give_up:
+                    why = "the worker left or stalled" if gone else f"none within {limit:g}s"
+                    raise UpstreamError(
+                        f"no first token: {why}",
+                        retryable=True,
+                        api_error=APIError(
+                            504, "no worker produced a first token in time", code="timeout"
+                        ),
+                    )
+        finally:
+            if not task.done():
+                task.cancel()
+                call.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+def _retry_of(g: Generation, attempt: int) -> Generation:
     return replace(g, request_id=f"{g.request_id}-{attempt}")
 
 

@@ -69,6 +69,9 @@ __all__ = [
 
 
 FinishedHook = Callable[[RequestOutput, RequestTimings], None]
+# An idle engine thread still goes round its loop this often, so "has not stepped
+# for a while" always means stuck (or dead), never just idle.
+_IDLE_BEAT_S = 0.25
 _Command = Callable[[], None]
 
 
@@ -141,6 +144,7 @@ class Engine:
         self._pin_results: dict[str, concurrent.futures.Future[int]] = {}
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._beat = time.monotonic()  # last time the engine thread went round its loop
         self._rates = RateMeter(config.rate_ema_alpha)
         self._counters = dict.fromkeys(("prompt", "cached", "generation", "requests"), 0)
 
@@ -176,6 +180,22 @@ class Engine:
                 self.scheduler.abort(seq.request_id)
                 self._emit(seq, [])
             self._flush_events()
+
+    def step_age_s(self) -> float:
+        """Seconds since the engine thread last went round its loop (idle or stepping).
+
+        Lock-free, so it answers even while a step (or a stuck one) runs.
+        """
+        return max(0.0, time.monotonic() - self._beat)
+
+    def health(self, stall_s: float) -> str | None:
+        """Why the engine cannot serve (dead thread, no step for ``stall_s``), or None."""
+        if self._thread is None or self._stopped or not self._thread.is_alive():
+            return "the engine thread is not running"
+        age = self.step_age_s()
+        if age > stall_s:
+            return f"the engine has not stepped for {age:.1f}s"
+        return None
 
     def add_finished_listener(self, hook: FinishedHook) -> None:
         """Adds an ``on_request_finished`` hook (e.g. metrics attached after construction)."""
@@ -291,6 +311,7 @@ class Engine:
                 preemptions_total=sched.preemptions_total,
                 requests_total=c["requests"],
             )
+            self._beat = time.monotonic()
 
     def resident_block_hashes(self) -> set[int]:
         """Every block hash the pool holds now (consistent with the events delivered so far)."""
@@ -317,7 +338,9 @@ class Engine:
     def _drain_commands(self, *, block: bool) -> bool:
         """Runs queued commands; ``False`` on shutdown. Waits for one only when idle."""
         try:
-            command = self._commands.get() if block else self._commands.get_nowait()
+            command = (
+                self._commands.get(timeout=_IDLE_BEAT_S) if block else self._commands.get_nowait()
+            )
         except queue.Empty:
             return True
         with self._lock:
