@@ -190,6 +190,9 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         max_queue_per_worker=config.max_queue_per_worker,
         request_timeout_s=config.request_timeout_s,
         max_retries=config.max_retries,
+        first_token_timeout_s=config.first_token_timeout_s,
+        inter_token_timeout_s=config.inter_token_timeout_s,
+        record_check=RecordCheck(metrics.registry, stall_s=config.engine_stall_s),
     )
 
     def on_drop(worker_id: str) -> None:
@@ -225,9 +228,6 @@ def create_app(config: GatewayConfig, *, tokenizer: ChatTokenizer | None = None)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
-        first_token_timeout_s=config.first_token_timeout_s,
-        inter_token_timeout_s=config.inter_token_timeout_s,
-        record_check=RecordCheck(metrics.registry, stall_s=config.engine_stall_s),
     app.router.add_get("/dashboard", dashboard.page)
     app.router.add_get("/dashboard/data", dashboard.data)
     app.cleanup_ctx.append(_background)
