@@ -124,6 +124,9 @@ def config_from_args(argv: list[str]) -> GatewayConfig:
         speculative_ttl_s=v["--speculative-ttl"],
         max_queue_per_worker=v["--max-queue-per-worker"],
         request_timeout_s=v["--request-timeout"],
+        first_token_timeout_s=v["--first-token-timeout"],
+        inter_token_timeout_s=v["--inter-token-timeout"],
+        engine_stall_s=v["--engine-stall-s"],
         max_body_bytes=v["--max-body-bytes"],
         api_keys_file=Path(v["--api-keys-file"]) if v["--api-keys-file"] else None,
         grpc_tls_ca=Path(v["--grpc-tls-ca"]) if v["--grpc-tls-ca"] else None,
@@ -148,9 +151,6 @@ async def serve(config: GatewayConfig) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
-        first_token_timeout_s=v["--first-token-timeout"],
-        inter_token_timeout_s=v["--inter-token-timeout"],
-        engine_stall_s=v["--engine-stall-s"],
     await site.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -67,13 +67,13 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
         tenant=tenant,
         session_key=session_key(request, s, tenant),
         started=started,
+        max_tokens_fixed=s.max_tokens is not None,
     )
     d = state.dispatcher
     # 5. hash
     candidates = d.hash(job, d.candidates())
     # 6. look up
     cached = d.look_up(candidates)
-        max_tokens_fixed=s.max_tokens is not None,
     # 7. choose
     decision = d.choose(job, candidates, cached)
     relay = Relay(state.tokenizer.tokenizer, served_name(state, s.model), job, s, chat)

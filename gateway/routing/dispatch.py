@@ -141,10 +141,10 @@ class Dispatcher:
         max_queue_per_worker: int,
         request_timeout_s: float,
         max_retries: int,
-    ) -> None:
         first_token_timeout_s: float = 60.0,
         inter_token_timeout_s: float = 30.0,
         record_check: RecordCheck | None = None,
+    ) -> None:
         self.mirror = mirror
         self.index = index
         self.router = router
@@ -156,10 +156,10 @@ class Dispatcher:
         self.max_queue_per_worker = max_queue_per_worker
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
-        self.loads: dict[str, GatewayLoad] = {}
         self.first_token_timeout_s = first_token_timeout_s
         self.inter_token_timeout_s = inter_token_timeout_s
         self.record_check = record_check or RecordCheck(metrics.registry, stall_s=5.0)
+        self.loads: dict[str, GatewayLoad] = {}
         self._down_until: dict[str, float] = {}
 
     # -- candidates and load ------------------------------------------------------
@@ -310,10 +310,10 @@ class Dispatcher:
             load.pending += 1
             load.pending_prefill_tokens += uncached
             generation = job.generation
-            if attempt:
             if not job.max_tokens_fixed and entry.record.max_model_len > 0:
                 budget = entry.record.max_model_len - len(job.prompt_ids)
                 generation = replace(generation, max_tokens=min(generation.max_tokens, budget))
+            if attempt:
                 generation = _retry_of(generation, attempt)
             upstream = self.upstreams[getattr(entry.record, "transport", "") or DEFAULT_TRANSPORT]
             call = upstream.start(wid, entry.record.address, generation, max(0.001, deadline - now))
@@ -361,7 +361,6 @@ class Dispatcher:
             headers={"Retry-After": "1"},
         )
 
-    def finished(self, stream: Stream, cached_tokens: int | None) -> None:
     def _next_worker(
         self, job: Job, ranked: tuple[str, ...], tried: list[str]
     ) -> tuple[str, WorkerEntry] | None:
@@ -384,6 +383,7 @@ class Dispatcher:
         best = min(fresh, key=lambda e: getattr(load(e.record.worker_id), "inflight", 0))
         return best.record.worker_id, best
 
+    def finished(self, stream: Stream, cached_tokens: int | None) -> None:
         """Bookkeeping when a stream ends (called once, by ``Stream.close``)."""
         wid = stream.worker_id
         load = self.loads.setdefault(wid, GatewayLoad())
@@ -414,7 +414,6 @@ class Dispatcher:
         self._down_until.pop(worker_id, None)
         for upstream in self.upstreams.values():
             upstream.forget(worker_id)
-
 
     async def _first_chunk(self, wid: str, call: UpstreamCall) -> Chunk:
         """``_first_chunk``, given up (retryably) when the worker leaves or stalls, or at the
@@ -448,6 +447,7 @@ class Dispatcher:
                 task.cancel()
                 call.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+
 
 def _retry_of(g: Generation, attempt: int) -> Generation:
     return replace(g, request_id=f"{g.request_id}-{attempt}")
