@@ -50,12 +50,12 @@ class GatewayConfig:
             (self.speculative_ttl_s >= 0, "--speculative-ttl must be >= 0"),
             (self.max_queue_per_worker >= 0, "--max-queue-per-worker must be >= 0"),
             (self.request_timeout_s > 0, "--request-timeout must be > 0"),
-            (self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024"),
-            (
-                self.grpc_tls_ca is None or self.grpc_tls_ca.is_file(),
             (self.first_token_timeout_s > 0, "--first-token-timeout must be > 0"),
             (self.inter_token_timeout_s > 0, "--inter-token-timeout must be > 0"),
             (self.engine_stall_s > 0, "--engine-stall-s must be > 0"),
+            (self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024"),
+            (
+                self.grpc_tls_ca is None or self.grpc_tls_ca.is_file(),
                 f"--grpc-tls-ca {self.grpc_tls_ca}: no such file",
             ),
             (self.log_level.lower() in LOG_LEVELS, f"--log-level: one of {LOG_LEVELS}"),

@@ -311,7 +311,6 @@ class Engine:
                 preemptions_total=sched.preemptions_total,
                 requests_total=c["requests"],
             )
-            self._beat = time.monotonic()
 
     def resident_block_hashes(self) -> set[int]:
         """Every block hash the pool holds now (consistent with the events delivered so far)."""
@@ -322,6 +321,7 @@ class Engine:
 
     def _run(self) -> None:
         while True:
+            self._beat = time.monotonic()
             if not self._drain_commands(block=not self.scheduler.has_work()):
                 return
             try:
