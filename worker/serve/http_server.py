@@ -55,8 +55,8 @@ class FrontInfo:
     worker_id: str
     max_model_len: int
     trust_body_salt: bool = False
-
     stall_s: float = 10.0  # /health fails past this long without an engine step
+
 
 # The engine and tokenizer are duck-typed (worker.engine.core.Engine, a transformers tokenizer).
 ENGINE: web.AppKey[Any] = web.AppKey("engine")
@@ -95,8 +95,8 @@ def create_app(
     worker_id: str,
     metrics: WorkerMetrics,
     trust_body_salt: bool = False,
-) -> web.Application:
     stall_s: float = 10.0,
+) -> web.Application:
     """The aiohttp application; all state lives under typed ``AppKey``s."""
     app = web.Application(middlewares=[_errors], client_max_size=64 << 20)
     app[ENGINE] = engine
