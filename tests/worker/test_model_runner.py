@@ -290,7 +290,7 @@ def test_llama3_rope_scaling_and_tied_embeddings(tmp_path: Path, hf_model: HFLoa
     )
     path = _random_checkpoint(tmp_path / "tiny-llama3", config)
     runner = ModelRunner(path, block_size=8, num_blocks=40)
-    assert runner.weights.lm_head is runner.weights.embed
+    assert runner.weights.lm_head.weight is runner.weights.embed
     ids = prompt(300, 200, seed=6)
     table = blocks(0, 200, 8)
     runner.execute([SeqChunk(ids[:150], 0, table, False)])

@@ -8,7 +8,11 @@ block table.
 
 Projections are fused at load time (q|k|v into one matrix, gate|up into one)
 so a step runs two fewer matmuls per layer; each output element is still the
-same dot product as Hugging Face computes.
+same dot product as Hugging Face computes. On CPU every projection (and the
+LM head) is also reordered once into oneDNN's blocked layout (``Linear``): a
+decode step multiplies a handful of rows by each matrix, which is bound by
+reading the weights, and the blocked layout streams them about twice as fast
+as ``F.linear`` on the plain matrix (profiled: 60 % of a decode step).
 """
 
 from __future__ import annotations
@@ -166,10 +170,22 @@ def rope_tables(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates x [T, heads, head_dim] by per-token cos/sin [T, 1, head_dim] (half-split layout)."""
+    """Rotates x [T, heads, head_dim] by per-token cos/sin [T, 1, head_dim] (half-split layout).
+
+    The same products and sums as transformers' ``x * cos + rotate_half(x) * sin``
+    (both halves of the cos/sin rows are equal), written half by half into one
+    output, so no negated and concatenated copy of x is built.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[..., :half], sin[..., :half]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, c, out=o1)
+    o1.sub_(x2 * s)
+    torch.mul(x2, c, out=o2)
+    o2.add_(x1 * s)
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -178,20 +194,54 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
+class Linear:
+    """``y = x W^T + b`` for x [T, in]; on CPU through a oneDNN-packed copy of W.
+
+    ``weight`` is the plain [out, in] matrix (kept only when nothing else
+    needs packing, or when it is shared, as a tied LM head is with the
+    embedding). The packed copy is made once at load time; dtypes oneDNN
+    cannot pack on this CPU (fp16 without AVX512-FP16) stay on ``F.linear``.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, keep: bool) -> None:
+        self.bias = bias
+        self.out_features = weight.shape[0]
+        self.packed: torch.Tensor | None = None
+        if weight.device.type == "cpu" and _can_pack(weight.dtype):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+        self.weight: torch.Tensor | None = weight if keep or self.packed is None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+        assert self.weight is not None  # kept whenever there is no packed copy
+        return F.linear(x, self.weight, self.bias)
+
+
+# oneDNN picks its blocking for this many rows; decode steps are a few rows.
+PACK_BATCH_HINT = 8
+
+
+def _can_pack(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear
+    o_proj: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Linear
+    down: Linear
 
 
 @dataclass
@@ -199,7 +249,7 @@ class ModelWeights:
     embed: torch.Tensor
     layers: list[LayerWeights]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: Linear
 
 
 class _Checkpoint:
@@ -240,42 +290,43 @@ def load_weights(
             return None
         return torch.cat([tensor(n) for n in names])
 
+    def linear(names: list[str]) -> Linear:
+        weight = torch.cat([tensor(f"{n}.weight") for n in names])
+        return Linear(weight, optional_cat([f"{n}.bias" for n in names]), keep=False)
+
     layers = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
-        mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
         layers.append(
             LayerWeights(
                 input_norm=tensor(f"{p}input_layernorm.weight"),
-                qkv=torch.cat([tensor(f"{n}.weight") for n in attn]),
-                qkv_bias=optional_cat([f"{n}.bias" for n in attn]),
-                o_proj=tensor(f"{p}self_attn.o_proj.weight"),
-                o_bias=optional_cat([f"{p}self_attn.o_proj.bias"]),
+                qkv=linear([f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]),
+                o_proj=linear([f"{p}self_attn.o_proj"]),
                 q_norm=optional_cat([f"{p}self_attn.q_norm.weight"]),
                 k_norm=optional_cat([f"{p}self_attn.k_norm.weight"]),
                 post_norm=tensor(f"{p}post_attention_layernorm.weight"),
-                gate_up=torch.cat([tensor(f"{n}.weight") for n in mlp]),
-                gate_up_bias=optional_cat([f"{n}.bias" for n in mlp]),
-                down=tensor(f"{p}mlp.down_proj.weight"),
-                down_bias=optional_cat([f"{p}mlp.down_proj.bias"]),
+                gate_up=linear([f"{p}mlp.{n}_proj" for n in ("gate", "up")]),
+                down=linear([f"{p}mlp.down_proj"]),
             )
         )
     embed = tensor("model.embed_tokens.weight")
     # Tied checkpoints may omit lm_head, and transformers ignores a saved one when tied.
     if "lm_head.weight" in ckpt and not spec.tie_word_embeddings:
-        lm_head = tensor("lm_head.weight")
+        lm_head = Linear(tensor("lm_head.weight"), None, keep=False)
     else:
         if not spec.tie_word_embeddings:
             logger.warning("%s has no lm_head.weight: using the tied embedding", model_dir)
-        lm_head = embed
+        lm_head = Linear(embed, None, keep=True)  # the embedding lookup still needs it
     return ModelWeights(
         embed=embed, layers=layers, final_norm=tensor("model.norm.weight"), lm_head=lm_head
     )
 
 
 def mlp(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
-    gate_up = F.linear(x, w.gate_up, w.gate_up_bias)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w.down, w.down_bias)
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
+
+    SiLU runs in place on the fused gate|up output: at prefill sizes every
+    [T, intermediate] temporary is a visible share of the step.
+    """
+    gate, up = w.gate_up(x).chunk(2, dim=-1)
+    return w.down(torch.mul(F.silu(gate, inplace=True), up))

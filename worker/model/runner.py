@@ -190,11 +190,11 @@ class ModelRunner:
             self.weights.layers, self.k_caches, self.v_caches, strict=True
         ):
             x = rms_norm(hidden, layer.input_norm, eps)
-            hidden = hidden + self._attention(x, layer, k_cache, v_cache, plan, cos, sin)
-            hidden = hidden + mlp(rms_norm(hidden, layer.post_norm, eps), layer)
+            hidden += self._attention(x, layer, k_cache, v_cache, plan, cos, sin)
+            hidden += mlp(rms_norm(hidden, layer.post_norm, eps), layer)
         last = hidden.index_select(0, plan.logits_rows)
         last = rms_norm(last, self.weights.final_norm, eps)
-        return F.linear(last, self.weights.lm_head).float()
+        return self.weights.lm_head(last).float()
 
     def _attention(
         self,
@@ -210,7 +210,7 @@ class ModelRunner:
         spec = self.spec
         heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         num_tokens = x.shape[0]
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = layer.qkv(x)
         qk_width = (heads + kv_heads) * head_dim
         qk = qkv[:, :qk_width].view(num_tokens, heads + kv_heads, head_dim)
         v = qkv[:, qk_width:].view(num_tokens, kv_heads, head_dim)
@@ -224,4 +224,4 @@ class ModelRunner:
         q, k = qk[:, :heads], qk[:, heads:]
         write_kv(k_cache, v_cache, k, v, plan.slots)
         attn = paged_attention(q, k, v, k_cache, v_cache, plan)
-        return F.linear(attn.reshape(num_tokens, heads * head_dim), layer.o_proj, layer.o_bias)
+        return layer.o_proj(attn.reshape(num_tokens, heads * head_dim))
