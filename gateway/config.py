@@ -32,6 +32,7 @@ class GatewayConfig:
     engine_stall_s: float = 5.0  # a heartbeat saying the engine has not stepped this long
     max_body_bytes: int = 4 * 1024 * 1024
     api_keys_file: Path | None = None
+    tenant_salt_secret: str = field(default="", repr=False)  # HMAC key of tenant salts
     grpc_tls_ca: Path | None = None  # PEM CA bundle: dial workers over TLS
     log_level: str = "info"
     registry_poll_s: float = 0.5

@@ -19,7 +19,9 @@ request's path, because the client's next turn resends exactly that.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -42,6 +44,8 @@ from openai_api.requests import (
 )
 
 SESSION_HEADER = "X-Session-ID"
+MAX_SESSION_ID = 256  # characters of X-Session-ID (the ``user`` field is hashed whatever its size)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
@@ -103,9 +107,22 @@ async def read_json(request: web.Request) -> Any:
     """The decoded JSON body; 413 past the size limit, 400 when not JSON."""
     raw = await request.read()  # aiohttp raises 413 past client_max_size
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"invalid JSON body: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:  # nesting deeper than the parser's stack
+        raise APIError(400, "invalid JSON body: nested too deeply", code="invalid_json") from exc
+    if _SURROGATE_ESCAPE.search(raw):
+        # JSON may escape a lone UTF-16 surrogate; no tokenizer can encode one.
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise APIError(
+                400,
+                "invalid JSON body: a string holds a lone UTF-16 surrogate",
+                code="invalid_json",
+            ) from exc
+    return body
 
 
 def check_model(state: GatewayState, model: str) -> None:
@@ -192,5 +209,16 @@ def generation(
 
 
 def session_key(request: web.Request, s: SamplingRequest, tenant: Tenant) -> str | None:
-    key = request.headers.get(SESSION_HEADER) or s.user
-    return f"{tenant.name}\x00{key}" if key else None
+    """The session's key, hashed to a fixed size: a 4 MB ``user`` costs 32 bytes to remember."""
+    header = request.headers.get(SESSION_HEADER)
+    if header is not None and len(header) > MAX_SESSION_ID:
+        raise APIError(
+            400,
+            f"{SESSION_HEADER} is longer than {MAX_SESSION_ID} characters",
+            param=SESSION_HEADER,
+        )
+    key = header or s.user
+    if not key:
+        return None
+    raw = f"{tenant.name}\x00{key}".encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()

@@ -21,6 +21,8 @@ from openai_api.errors import APIError
 from openai_api.options import reject_unsupported
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 1024  # per stop string: the detokenizer holds back this much text
+MAX_MESSAGES = 4096  # per chat request: parsing and templating stay short on the loop
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
@@ -136,6 +138,8 @@ def parse_sampling(
         stop = tuple(s for s in stop_raw if s)
     else:
         raise _bad("'stop' must be a string or a list of strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise _bad(f"each stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     include_usage = continuous = False
@@ -210,6 +214,8 @@ def parse_messages(raw: Any) -> tuple[dict[str, Any], ...]:
     """Chat messages as the chat template receives them: ``{"role", "content": str}``."""
     if not isinstance(raw, list) or not raw:
         raise _bad("'messages' must be a non-empty list", "messages")
+    if len(raw) > MAX_MESSAGES:
+        raise _bad(f"at most {MAX_MESSAGES} messages", "messages")
     messages = []
     for i, msg in enumerate(raw):
         where = f"messages[{i}]"

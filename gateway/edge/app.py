@@ -27,10 +27,10 @@ from gateway.observe.window_stats import RollingStats
 from gateway.routing.dispatch import Dispatcher
 from gateway.routing.index import BlockIndex
 from gateway.routing.mirror import IndexMirror
+from gateway.routing.record_check import RecordCheck
 from gateway.routing.router import Router
 from gateway.routing.sessions import SessionMap
 from gateway.text.fingerprint import tokenizer_fingerprint
-from gateway.routing.record_check import RecordCheck
 from gateway.text.tokenizer import ChatTokenizer
 from gateway.upstream.base import Upstream
 from gateway.upstream.grpc_worker import GrpcUpstream
@@ -68,7 +68,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     keys = request.app[STATE].api_keys
-    if keys is not None and request.path.startswith("/v1/"):
+    # The dashboard lists workers and their load: behind the keys too (/metrics is
+    # left open for Prometheus; protect it at the network, see docs/SECURITY.md).
+    if keys is not None and request.path.startswith(("/v1/", "/dashboard")):
         tenant = keys.tenant_for(request.headers.get("Authorization"))
         if tenant is None:
             raise APIError(
@@ -201,7 +203,11 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         dispatcher.forget(worker_id)
 
     mirror.on_drop = on_drop
-    keys = ApiKeys.load(config.api_keys_file) if config.api_keys_file else None
+    keys = (
+        ApiKeys.load(config.api_keys_file, config.tenant_salt_secret)
+        if config.api_keys_file
+        else None
+    )
     return GatewayState(
         config=config,
         tokenizer=tokenizer,

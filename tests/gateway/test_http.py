@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from gateway.edge.auth import tenant_salt
 from tests.gateway.conftest import MODEL, Harness, MakeGateway, read_sse
 from tests.gateway.helpers import eventually
 
@@ -312,7 +313,7 @@ async def test_api_keys_and_tenant_salt(make_gateway: MakeGateway, tmp_path) -> 
     keys.write_text(
         json.dumps({"sk-acme": {"tenant": "acme", "cache_salt": "s-acme"}, "sk-beta": "beta"})
     )
-    gateway = await make_gateway(api_keys_file=keys)
+    gateway = await make_gateway(api_keys_file=keys, tenant_salt_secret="s3cret")
     await gateway.add_worker("a")
     worker_b, reg_b = await gateway.add_worker("b")
     resp = await gateway.chat(HELLO)
@@ -329,3 +330,10 @@ async def test_api_keys_and_tenant_salt(make_gateway: MakeGateway, tmp_path) -> 
     # Another tenant's identical prompt hashes differently: no cache hit anywhere.
     resp = await gateway.chat(messages, headers={"Authorization": "Bearer sk-beta"})
     assert resp.status == 200 and resp.headers["x-kvroute-reason"] != "cache"
+    # A tenant without a salt in the file gets an HMAC of its id, never its name.
+    salts = {w.requests[-1].cache_salt for w, _ in gateway.workers.values() if w.requests}
+    assert tenant_salt(b"s3cret", "beta") in salts and "beta" not in salts, salts
+    # The dashboard lists the fleet: behind the keys as well.
+    assert (await gateway.client.get("/dashboard/data")).status == 401
+    ok = await gateway.client.get("/dashboard/data", headers={"Authorization": "Bearer sk-beta"})
+    assert ok.status == 200

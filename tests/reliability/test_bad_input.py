@@ -40,7 +40,7 @@ MAX_BODY = 64 * 1024
 # Measured on 2 busy cores: schemathesis ~25-60 requests/s (case generation dominates; valid
 # chats that generate tokens ~10/s), the hypothesis bodies ~130/s: the module sends its
 # 10,000 requests in about 2 minutes, most of them from the hypothesis bodies.
-TOTAL_REQUESTS = 10_000
+TOTAL_REQUESTS = 10_000  # including HOSTILE_EXAMPLES
 SCHEMA_EXAMPLES = {"positive": 120, "negative": 400}  # per POST operation
 BODY_EXAMPLES = 4_600  # per endpoint for the hypothesis bodies below
 _RESPONSES = re.compile(r'^kvroute_gateway_responses_total\{code="(\d+)"\}\s+(\S+)$', re.M)
@@ -235,6 +235,67 @@ def test_hypothesis_bodies(fleet: Fleet, http: requests.Session, path: str) -> N
             assert resp.text.rstrip().endswith("data: [DONE]")
 
     check()
+
+
+# -- hostile text, nesting and header bytes ---------------------------------------------------
+
+# Lone UTF-16 surrogates (JSON escapes them as \ud800), control characters, bidi and BOM.
+_HOSTILE_CHARS = ["\ud800", "\udfff", "\udc80", "\x00", "\x07", "\x1b", "\x7f", "\u202e", "\ufeff"]
+_HOSTILE_TEXT = st.lists(
+    st.one_of(st.sampled_from(_HOSTILE_CHARS), st.text(max_size=4)), min_size=1, max_size=12
+).map("".join)
+_HEADER_BYTES = st.binary(min_size=1, max_size=24).filter(
+    lambda b: b"\r" not in b and b"\n" not in b
+)
+HOSTILE_EXAMPLES = 300
+
+
+def _nested(depth: int, kind: str) -> bytes:
+    return (
+        (b"[" * depth + b"]" * depth)
+        if kind == "list"
+        else (b'{"a":' * depth + b"1" + b"}" * depth)
+    )
+
+
+@settings(_FAST, max_examples=HOSTILE_EXAMPLES)
+@given(
+    text=_HOSTILE_TEXT,
+    where=st.sampled_from(["content", "prompt", "stop", "user", "role"]),
+    depth=st.sampled_from([0, 0, 100, 5_000, 100_000]),
+    kind=st.sampled_from(["list", "dict"]),
+    header=st.one_of(st.none(), _HEADER_BYTES),
+    header_name=st.sampled_from(["Authorization", "X-Session-ID"]),
+)
+def test_hostile_text_nesting_and_header_bytes(
+    fleet: Fleet,
+    http: requests.Session,
+    text: str,
+    where: str,
+    depth: int,
+    kind: str,
+    header: bytes | None,
+    header_name: str,
+) -> None:
+    """Surrogates, control characters, JSON nested 5k-100k deep and non-UTF-8 header bytes:
+    each answered 2xx or 4xx with an OpenAI error body, never 5xx."""
+    model = model_name(fleet)
+    chat = where in ("content", "role", "user")
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict[str, Any] = {"model": model, "max_tokens": 2}
+    if chat:
+        role = text if where == "role" else "user"
+        body["messages"] = [{"role": role, "content": text if where == "content" else "hi"}]
+    else:
+        body["prompt"] = text if where == "prompt" else "hi"
+    if where in ("stop", "user"):
+        body[where] = text
+    raw = _nested(depth, kind) if depth else json.dumps(body).encode()  # ensure_ascii escapes
+    headers: dict[str, str | bytes] = {"Content-Type": "application/json"}
+    if header is not None:
+        headers[header_name] = (b"Bearer " if header_name == "Authorization" else b"") + header
+    resp = http.post(fleet.gateway_url + path, data=raw, headers=headers, timeout=30)
+    _check(resp, (where, text, depth, kind, header))
 
 
 # -- gRPC straight to the worker ---------------------------------------------------------------

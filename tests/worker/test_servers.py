@@ -187,6 +187,13 @@ async def test_generate_streams_tokens_with_usage_on_the_final_chunk(stack: Stac
     assert final.usage.cached_tokens == 0 and final.ttft_s > 0
 
 
+async def test_a_second_grpc_server_on_a_used_port_fails(stack: Stack) -> None:
+    # No SO_REUSEPORT: a twin on the same port would silently share the first one's traffic.
+    twin = WorkerService(stack.engine, worker_id="twin")
+    with pytest.raises(OSError, match="--grpc-port"):
+        await start_grpc_server(twin, "127.0.0.1", stack.grpc_port)
+
+
 async def test_shared_prefix_is_cached_and_redis_mirrors_the_pool(stack: Stack) -> None:
     # Acceptance: a second request sharing a 1,000-token prefix reports the shared
     # full blocks as cached, and Redis holds exactly the pool's resident hashes,
@@ -195,6 +202,8 @@ async def test_shared_prefix_is_cached_and_redis_mirrors_the_pool(stack: Stack) 
     await stack.generate(prefix + random_ids(12, 3), max_tokens=2)
     second = await stack.generate(prefix + random_ids(12, 4), max_tokens=2)
     assert second[-1].usage.cached_tokens == (1000 // BLOCK) * BLOCK == 992
+    # The first chunk already carries them, so a caller that stops early still counts them.
+    assert (second[0].usage.prompt_tokens, second[0].usage.cached_tokens) == (1012, 992)
     before = await stack.wait_set_matches_pool()
     assert len(before) >= 1000 // BLOCK
     assert stack.engine.stats().evictions_total == 0

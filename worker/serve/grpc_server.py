@@ -1,8 +1,11 @@
 """The worker's gRPC service (``kvroute.v1.Worker``): token ids in, token ids out.
 
 The gateway owns tokenization, so ``Generate`` takes prompt token ids and
-streams generated ids back; the final chunk carries usage (prompt, completion
-and cached tokens), ``finish_reason``, the engine-side TTFT and the worker id.
+streams generated ids back; the first chunk carries the prompt and cached
+token counts (so a caller that stops early still counts them), the final one
+the whole usage, ``finish_reason``, the engine-side TTFT and the worker id. The
+port is bound without ``SO_REUSEPORT``: a second worker on a used port fails to
+start instead of sharing its traffic.
 Bad input answers ``INVALID_ARGUMENT`` and leaves the engine untouched; a
 client that cancels the call aborts the request, which frees its blocks.
 """
@@ -76,10 +79,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 request_id, prompt, params, cache_salt=request.cache_salt, lora=request.lora_name
             )
             async for out in stream:
-                started = True
                 chunk = pb.GenerateResponse(
                     token_ids=out.new_token_ids, finished=out.finished, worker_id=self.worker_id
                 )
+                if not started:
+                    # Prompt and cached tokens go out with the first chunk, so a caller
+                    # that stops early (stop string, client gone) still counts its hits.
+                    chunk.usage.prompt_tokens = out.prompt_tokens
+                    chunk.usage.cached_tokens = out.cached_tokens
+                started = True
                 for lp in out.new_logprobs:
                     chunk.logprobs.add(
                         logprob=lp.logprob,
@@ -153,15 +161,19 @@ async def start_grpc_server(
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.so_reuseport", 0),  # a second server on this port must fail, not share it
         ]
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    if tls_cert is not None and tls_key is not None:
-        creds = grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())])
-        bound = server.add_secure_port(address, creds)
-    else:
-        bound = server.add_insecure_port(address)
+    try:
+        if tls_cert is not None and tls_key is not None:
+            creds = grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())])
+            bound = server.add_secure_port(address, creds)
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc's "Failed to bind": the port is taken
+        raise OSError(f"--grpc-port: cannot bind {address} (in use?)") from exc
     if bound == 0:
         raise OSError(f"--grpc-port: cannot bind {address}")
     await server.start()
