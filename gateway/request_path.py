@@ -205,6 +205,12 @@ def generation(
         ignore_eos=s.ignore_eos,
         stop_token_ids=s.stop_token_ids,
         cache_salt=tenant.cache_salt,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        min_p=s.min_p,
+        logit_bias=s.logit_bias,
+        logprobs=s.logprobs,
     )
 
 

@@ -23,6 +23,7 @@ from openai_api.options import reject_unsupported
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 1024  # per stop string: the detokenizer holds back this much text
 MAX_MESSAGES = 4096  # per chat request: parsing and templating stay short on the loop
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
@@ -45,6 +46,12 @@ class SamplingRequest:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None  # honoured only where the caller is trusted (see fronts)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    logprobs: int | None = None  # None: off; k: the chosen token's and the top k alternatives
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,7 @@ def parse_sampling(
     if top_p == 0.0:
         temperature, top_p = 0.0, 1.0
     top_k = _int(body, "top_k", -1, 2**32 - 1) or 0
+    processors = _processors(body)
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise _bad("'cache_salt' must be a string", "cache_salt")
@@ -175,7 +183,52 @@ def parse_sampling(
         ignore_eos=_bool(body, "ignore_eos"),
         stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids"),
         cache_salt=salt or None,
+        logprobs=_logprobs(body, endpoint),
+        **processors,
     )
+
+
+def _processors(body: dict[str, Any]) -> dict[str, Any]:
+    """Penalties, ``min_p`` and ``logit_bias`` as ``SamplingRequest`` fields."""
+    repetition = _number(body, "repetition_penalty", 1.0, 0.0, 10.0)
+    if repetition == 0.0:
+        raise _bad("'repetition_penalty' must be > 0", "repetition_penalty")
+    raw_bias = body.get("logit_bias")
+    bias: list[tuple[int, float]] = []
+    if raw_bias is not None:
+        if not isinstance(raw_bias, dict) or len(raw_bias) > 1024:
+            raise _bad("'logit_bias' must be an object of at most 1024 entries", "logit_bias")
+        for key, value in raw_bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise _bad(f"'logit_bias' key {key!r} is not a token id", "logit_bias") from None
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if token < 0 or not ok or not math.isfinite(value) or not -100 <= value <= 100:
+                raise _bad("'logit_bias' maps token ids to numbers in [-100, 100]", "logit_bias")
+            bias.append((token, float(value)))
+    return {
+        "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": repetition,
+        "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
+        "logit_bias": tuple(sorted(bias)),
+    }
+
+
+def _logprobs(body: dict[str, Any], endpoint: str) -> int | None:
+    """Chat: ``logprobs`` true plus ``top_logprobs`` k; completions: ``logprobs`` k."""
+    if endpoint == "chat":
+        top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+        if not _bool(body, "logprobs"):
+            if top:
+                raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            return None
+        return top or 0
+    value = body.get("logprobs")
+    if value is None or value is False:
+        return None
+    return _int(body, "logprobs", 0, MAX_LOGPROBS)
 
 
 def _content_text(content: Any, where: str) -> str:

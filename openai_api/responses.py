@@ -16,7 +16,12 @@ def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 
 def chat_response(
-    rid: str, model: str, text: str, finish: str, usage: dict[str, Any]
+    rid: str,
+    model: str,
+    text: str,
+    finish: str,
+    usage: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -27,7 +32,7 @@ def chat_response(
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
         ],
@@ -65,11 +70,12 @@ def chat_chunk(
     finish: str | None,
     usage: dict[str, Any] | None = None,
     with_usage_field: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     choice = (
         None
         if delta is None
-        else {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     )
     return _stream_chunk(
         rid, "chat.completion.chunk", model, created, choice, usage, with_usage_field
@@ -77,14 +83,19 @@ def chat_chunk(
 
 
 def completion_response(
-    rid: str, model: str, text: str, finish: str, usage: dict[str, Any]
+    rid: str,
+    model: str,
+    text: str,
+    finish: str,
+    usage: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
         "usage": usage,
     }
 
@@ -97,10 +108,11 @@ def completion_chunk(
     finish: str | None,
     usage: dict[str, Any] | None = None,
     with_usage_field: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     choice = (
         None
         if text is None
-        else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        else {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     )
     return _stream_chunk(rid, "text_completion", model, created, choice, usage, with_usage_field)

@@ -23,6 +23,7 @@ from gateway.routing.dispatch import Job, Stream
 from gateway.upstream.base import Chunk, UpstreamError
 from openai_api.detokenizer import Detokenizer
 from openai_api.errors import APIError
+from openai_api.logprobs import TokenLogprobs, chat_logprobs, completion_logprobs, decoder
 from openai_api.requests import SamplingRequest
 from openai_api.responses import (
     chat_chunk,
@@ -56,6 +57,9 @@ class Relay:
         self._stream: Stream | None = None
         self._resp: web.StreamResponse | None = None
         self._created = int(time.time())
+        self._lp_pending: list[TokenLogprobs] = []
+        self._decode = decoder(tokenizer)
+        self._sent_chars = 0  # text already streamed (completions' text_offset)
 
     @property
     def stream(self) -> Stream:
@@ -71,7 +75,19 @@ class Relay:
         self.completion_tokens += len(chunk.token_ids)
         if chunk.cached_tokens is not None:
             self.cached_tokens = chunk.cached_tokens
+        if self.s.logprobs is not None:
+            self._lp_pending.extend(chunk.logprobs)
         return self.detok.push(chunk.token_ids)
+
+    def _logprobs(self, text_offset: int) -> dict[str, Any] | None:
+        """The logprobs object of the tokens taken since the last call (None if not asked)."""
+        if self.s.logprobs is None:
+            return None
+        items, self._lp_pending = self._lp_pending, []
+        top = self.s.logprobs
+        if self.chat:
+            return chat_logprobs(items, self._decode, top)
+        return completion_logprobs(items, self._decode, top, text_offset)
 
     async def events(self) -> AsyncIterator[tuple[str, str | None]]:
         """Yields (text delta, finish reason or None) until the generation ends."""
@@ -102,7 +118,7 @@ class Relay:
         except UpstreamError as exc:
             raise exc.api_error from exc
         build = chat_response if self.chat else completion_response
-        body = build(self.rid, self.model, "".join(parts), finish, self.usage())
+        body = build(self.rid, self.model, "".join(parts), finish, self.usage(), self._logprobs(0))
         return web.json_response(
             body, headers=route_headers(self.stream.worker_id, self.stream.reason)
         )
@@ -116,12 +132,18 @@ class Relay:
     def _chunk(self, delta: str | None, finish: str | None) -> dict[str, Any]:
         # continuous_usage_stats: every chunk carries the usage so far (vLLM's extension).
         usage = self.usage() if self.s.continuous_usage_stats else None
+        lps = self._logprobs(self._sent_chars)
+        if lps is not None and not (lps.get("content") or lps.get("tokens")):
+            lps = None  # nothing new since the last chunk
+        self._sent_chars += len(delta or "")
         if not self.chat:
             return completion_chunk(
-                self.rid, self.model, self._created, delta, finish, usage, self._usage_field
+                self.rid, self.model, self._created, delta, finish, usage, self._usage_field, lps
             )
         d = None if delta is None else ({"content": delta} if delta else {})
-        return chat_chunk(self.rid, self.model, self._created, d, finish, usage, self._usage_field)
+        return chat_chunk(
+            self.rid, self.model, self._created, d, finish, usage, self._usage_field, lps
+        )
 
     async def _send(self, obj: dict[str, Any]) -> None:
         if self._resp is None:

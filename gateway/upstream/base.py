@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from openai_api.errors import APIError
+from openai_api.logprobs import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,12 @@ class Generation:
     ignore_eos: bool
     stop_token_ids: tuple[int, ...]
     cache_salt: str
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # None: off; k: each token's logprob and the top k
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,7 @@ class Chunk:
     finished: bool = False
     finish_reason: str = ""
     cached_tokens: int | None = None  # prompt tokens the worker served from cache, once known
+    logprobs: Sequence[TokenLogprobs] = ()  # one per token id, when the generation asked
 
 
 class UpstreamError(Exception):

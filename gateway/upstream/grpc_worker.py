@@ -20,6 +20,7 @@ import grpc
 from contract import worker_pb2, worker_pb2_grpc
 from gateway.upstream.base import Chunk, Generation, UpstreamError
 from openai_api.errors import APIError
+from openai_api.logprobs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,13 @@ def _request(g: Generation) -> worker_pb2.GenerateRequest:
     )
     if g.seed is not None:
         sampling.seed = g.seed
+    sampling.presence_penalty = g.presence_penalty
+    sampling.frequency_penalty = g.frequency_penalty
+    sampling.repetition_penalty = g.repetition_penalty
+    sampling.min_p = g.min_p
+    sampling.logit_bias.update(dict(g.logit_bias))
+    if g.logprobs is not None:
+        sampling.logprobs = g.logprobs
     return worker_pb2.GenerateRequest(
         request_id=g.request_id,
         prompt_token_ids=list(g.prompt_ids),
@@ -119,6 +127,10 @@ class _GrpcCall:
             finished=msg.finished,
             finish_reason=msg.finish_reason,
             cached_tokens=cached,
+            logprobs=tuple(
+                TokenLogprobs(t, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs, strict=True)))
+                for t, lp in zip(msg.token_ids, msg.logprobs, strict=False)
+            ),
         )
 
     def cancel(self) -> None:

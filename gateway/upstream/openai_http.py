@@ -22,6 +22,7 @@ import aiohttp
 
 from gateway.upstream.base import Chunk, Generation, UpstreamError
 from openai_api.errors import APIError
+from openai_api.logprobs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +46,43 @@ def completion_body(g: Generation) -> dict[str, Any]:
         body["stop_token_ids"] = list(g.stop_token_ids)
     if g.seed is not None:
         body["seed"] = g.seed
+    # vLLM implements these itself.
+    for name in ("presence_penalty", "frequency_penalty", "min_p"):
+        if getattr(g, name):
+            body[name] = getattr(g, name)
+    if g.repetition_penalty != 1.0:
+        body["repetition_penalty"] = g.repetition_penalty
+    if g.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in g.logit_bias}
+    if g.logprobs is not None:
+        body["logprobs"] = g.logprobs
+        body["return_tokens_as_token_ids"] = True  # tokens come back as "token_id:<id>"
     if g.cache_salt:
         body["cache_salt"] = g.cache_salt  # vLLM folds it into block 0's hash, as kvroute does
     return body
+
+
+def _token_id(text: str) -> int | None:
+    head, _, tail = text.partition(":")
+    return int(tail) if head == "token_id" and tail.isdigit() else None
+
+
+def _logprobs(ids: list[int], raw: Any) -> tuple[TokenLogprobs, ...]:
+    """vLLM's completion logprobs (tokens as ``token_id:<id>``) as ``TokenLogprobs``."""
+    if not isinstance(raw, dict):
+        return ()
+    values = raw.get("token_logprobs") or []
+    tops = raw.get("top_logprobs") or [None] * len(values)
+    out = []
+    for token, value, top in zip(ids, values, tops, strict=False):
+        alternatives = []
+        for key, v in (top or {}).items():
+            tid = _token_id(str(key))
+            if tid is not None and v is not None:
+                alternatives.append((tid, float(v)))
+        alternatives.sort(key=lambda a: -a[1])
+        out.append(TokenLogprobs(token, float(value or 0.0), tuple(alternatives)))
+    return tuple(out)
 
 
 def _error(status: int, detail: str) -> UpstreamError:
@@ -148,11 +183,13 @@ class _HttpCall:
                 return self._end(int(details.get("cached_tokens") or 0))
             for choice in msg.get("choices") or ():
                 ids = [int(t) for t in choice.get("token_ids") or ()]
+                lps = _logprobs(ids, choice.get("logprobs"))
                 reason = choice.get("finish_reason")
                 if reason:
-                    self._finish = Chunk(ids, True, _FINISH_REASONS.get(str(reason), "stop"))
+                    reason = _FINISH_REASONS.get(str(reason), "stop")
+                    self._finish = Chunk(ids, True, reason, logprobs=lps)
                 elif ids:
-                    return Chunk(ids)
+                    return Chunk(ids, logprobs=lps)
 
     def _end(self, cached_tokens: int | None) -> Chunk | None:
         """The held finished chunk (with usage if it came), then None."""
@@ -162,7 +199,7 @@ class _HttpCall:
             # The stream ended without a finish_reason: the worker went away mid-answer.
             raise _unreachable(ConnectionError("stream ended before the answer finished"))
         f = self._finish
-        return Chunk(f.token_ids, True, f.finish_reason, cached_tokens)
+        return Chunk(f.token_ids, True, f.finish_reason, cached_tokens, f.logprobs)
 
     def cancel(self) -> None:
         """Closes the connection: vLLM aborts a request whose client went away."""

@@ -16,12 +16,10 @@ HELLO = [{"role": "user", "content": "Hello"}]
 
 # (endpoint, option values) a client may send that this server does not implement.
 UNSUPPORTED_CASES: list[tuple[str, dict[str, Any]]] = [
-    ("chat", {"logprobs": True}),
-    ("chat", {"logprobs": True, "top_logprobs": 3}),
-    ("chat", {"logit_bias": {"42": 5}}),
-    ("chat", {"presence_penalty": 0.5}),
-    ("chat", {"frequency_penalty": 0.5}),
     ("chat", {"n": 2}),
+    ("chat", {"min_tokens": 3}),
+    ("chat", {"guided_json": {"type": "object"}}),
+    ("completion", {"include_stop_str_in_output": True}),
     ("chat", {"response_format": {"type": "json_object"}}),
     (
         "chat",
@@ -47,7 +45,6 @@ UNSUPPORTED_CASES: list[tuple[str, dict[str, Any]]] = [
     ("completion", {"echo": True}),
     ("completion", {"best_of": 2}),
     ("completion", {"suffix": "end"}),
-    ("completion", {"logprobs": 2}),
     ("completion", {"n": 3}),
 ]
 
@@ -94,6 +91,7 @@ async def test_neutral_values_of_unsupported_options_are_accepted(gateway: Harne
         "store": True,
         "metadata": {"a": "b"},
         "parallel_tool_calls": False,
+        "top_logprobs": 0,
     }
     out = await client.chat.completions.create(
         model=MODEL, messages=HELLO, max_tokens=4, extra_body=neutral
@@ -112,6 +110,48 @@ async def test_top_p_zero_is_greedy(gateway: Harness) -> None:
     )
     sampling = worker.requests[-1].sampling
     assert sampling.temperature == 0.0 and sampling.top_p == 1.0
+
+
+async def test_sampling_options_reach_the_worker(gateway: Harness) -> None:
+    worker, _ = await gateway.add_worker("w1")
+    await _sdk(gateway).chat.completions.create(
+        model=MODEL,
+        messages=HELLO,
+        max_tokens=4,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        logit_bias={"42": -100, "7": 3},
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"repetition_penalty": 1.3, "min_p": 0.1},
+    )
+    s = worker.requests[-1].sampling
+    assert (s.presence_penalty, s.frequency_penalty) == (0.5, -0.25)
+    assert abs(s.repetition_penalty - 1.3) < 1e-6 and abs(s.min_p - 0.1) < 1e-6
+    assert dict(s.logit_bias) == {42: -100.0, 7: 3.0}
+    assert s.HasField("logprobs") and s.logprobs == 2
+    await _sdk(gateway).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4)
+    plain = worker.requests[-1].sampling
+    assert not plain.HasField("logprobs") and not plain.logit_bias
+
+
+async def test_invalid_sampling_options_are_400_naming_them(gateway: Harness) -> None:
+    await gateway.add_worker("w1")
+    client = _sdk(gateway)
+    for extra, param in (
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 500}}, "logit_bias"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(
+                model=MODEL, messages=HELLO, max_tokens=4, extra_body=extra
+            )
+        assert isinstance(err.value.body, dict) and err.value.body["param"] == param, extra
 
 
 async def test_continuous_usage_stats_puts_usage_in_every_chunk(gateway: Harness) -> None:

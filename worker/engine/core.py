@@ -391,9 +391,24 @@ class Engine:
                 from worker.model.sampler import new_generator
 
                 seq.generator = new_generator(seq.params.seed, logits.device)
-        return list(
-            self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        params = [s.params for s in seqs]
+        if any(p.needs_processing or p.logprobs is not None for p in params):
+            return self._sample_processed(logits, seqs, params)
+        return list(self.sampler.sample(logits, params, [s.generator for s in seqs]))
+
+    def _sample_processed(
+        self, logits: Any, seqs: list[Seq], params: list[SamplingParams]
+    ) -> list[int]:
+        """Sampling with logits processors (penalties, bias, min_p) and/or logprobs."""
+        from worker.model import logits_processors as lp
+
+        processed = lp.process(
+            logits, params, [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs]
         )
+        tokens = list(self.sampler.sample(processed, params, [s.generator for s in seqs]))
+        for seq, logprob in zip(seqs, lp.token_logprobs(logits, tokens, params), strict=True):
+            seq.last_logprob = logprob
+        return tokens
 
     def _add(self, seq: Seq) -> None:
         try:
@@ -441,6 +456,7 @@ class Engine:
             cached_tokens=seq.num_cached_tokens or 0,
             completion_tokens=seq.num_completion_tokens,
             ttft_s=seq.token_times[0] - seq.arrival_time if seq.token_times else None,
+            new_logprobs=[seq.last_logprob] if new_tokens and seq.last_logprob else [],
         )
         if seq.internal:
             if seq.is_finished:

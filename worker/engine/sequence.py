@@ -30,9 +30,28 @@ class SamplingParams:
     seed: int | None = None  # per-request generator, reproducible
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Logits processors (worker.model.logits_processors), all off by default.
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # divides (or multiplies) logits of prompt+output tokens
+    min_p: float = 0.0  # drops tokens below min_p x the likeliest token's probability
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int | None = None  # None: off; k: the chosen token's and the top k's log-probs
+
+    @property
+    def needs_processing(self) -> bool:
+        """True when some logits processor changes this request's logits."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_p
+            or self.logit_bias
+        )
 
     def validate(self, vocab_size: int) -> None:
         """Raises ``ValueError`` naming the field that is out of range."""
+        self._validate_processors(vocab_size)
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:
@@ -54,6 +73,30 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be integers, got {token_id!r}")
             if not 0 <= token_id < vocab_size:
                 raise ValueError(f"stop_token_ids: {token_id} is outside the vocabulary")
+
+    def _validate_processors(self, vocab_size: int) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not isinstance(self.repetition_penalty, int | float) or not (
+            0.0 < self.repetition_penalty <= 10.0
+        ):
+            raise ValueError(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}"
+            )
+        if not isinstance(self.min_p, int | float) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for token_id, bias in self.logit_bias:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"logit_bias: {token_id} is outside the vocabulary")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias: {bias} for {token_id} is outside [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
 
 def validate_prompt(
@@ -114,6 +157,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     generator: Any = None  # the sampler's per-request RNG (seeded requests only)
+    last_logprob: Any = None  # the newest token's TokenLogprob (requests with logprobs only)
     token_times: list[float] = field(default_factory=list)  # time.monotonic() of each token
     first_scheduled_time: float | None = None
     num_preemptions: int = 0

@@ -7,7 +7,8 @@ re-exports every name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class RequestOutput:
     cached_tokens: int  # prompt tokens served from cached full blocks
     completion_tokens: int
     ttft_s: float | None  # engine-side, set from the first token on
+    # One per new token when the request asked for logprobs (logits_processors.TokenLogprob).
+    new_logprobs: list[Any] = field(default_factory=list)
 
 
 @dataclass

@@ -82,6 +82,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 chunk = pb.GenerateResponse(
                     token_ids=out.new_token_ids, finished=out.finished, worker_id=self.worker_id
                 )
+                for lp in out.new_logprobs:
+                    chunk.logprobs.add(
+                        logprob=lp.logprob,
+                        top_ids=[t for t, _ in lp.top],
+                        top_logprobs=[v for _, v in lp.top],
+                    )
                 if not started:
                     # Prompt and cached tokens go out with the first chunk, so a caller
                     # that stops early (stop string, client gone) still counts its hits.

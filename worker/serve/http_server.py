@@ -32,6 +32,7 @@ from aiohttp import web
 
 from openai_api.detokenizer import Detokenizer
 from openai_api.errors import APIError
+from openai_api.logprobs import TokenLogprobs, chat_logprobs, completion_logprobs, decoder
 from openai_api.requests import (
     ChatRequest,
     SamplingRequest,
@@ -224,6 +225,12 @@ def _engine_params(s: SamplingRequest, prompt_len: int, max_model_len: int) -> S
         seed=s.seed,
         stop_token_ids=s.stop_token_ids,
         ignore_eos=s.ignore_eos,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        min_p=s.min_p,
+        logit_bias=s.logit_bias,
+        logprobs=s.logprobs,
     )
 
 
@@ -278,6 +285,9 @@ class _Run:
         self.prompt_tokens = len(job.prompt_ids)
         self.cached_tokens = 0
         self.completion_tokens = 0
+        self._decode = decoder(request.app[TOKENIZER])
+        self._lp_pending: list[TokenLogprobs] = []
+        self._sent_chars = 0
 
     async def deltas(self) -> Any:
         """Yields text deltas; ends with ``finish_reason`` set. Aborts on early exit."""
@@ -291,6 +301,9 @@ class _Run:
             async for out in stream:
                 self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
                 self.completion_tokens += len(out.new_token_ids)
+                self._lp_pending.extend(
+                    TokenLogprobs(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs
+                )
                 delta = self.text.push(out.new_token_ids)
                 if self.text.stopped:
                     self.finish_reason = "stop"
@@ -316,17 +329,39 @@ class _Run:
     def usage_body(self) -> dict[str, Any]:
         return usage_dict(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
+    def take_logprobs(self, text: str | None) -> dict[str, Any] | None:
+        """The logprobs object of the tokens since the last call (None when not asked)."""
+        top = self.job.params.logprobs
+        if top is None:
+            return None
+        items, self._lp_pending = self._lp_pending, []
+        offset, self._sent_chars = self._sent_chars, self._sent_chars + len(text or "")
+        if self.job.kind == "chat":
+            return chat_logprobs(items, self._decode, top)
+        return completion_logprobs(items, self._decode, top, offset)
+
 
 def _choice(
-    job: Job, text: str | None, finish_reason: str | None, *, stream: bool, first: bool = False
+    job: Job,
+    text: str | None,
+    finish_reason: str | None,
+    *,
+    stream: bool,
+    first: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     if job.kind == "completion":
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {
+            "index": 0,
+            "text": text or "",
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
     if not stream:
         return {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
     delta: dict[str, Any] = {}
@@ -334,7 +369,7 @@ def _choice(
         delta["role"] = "assistant"
     if text is not None:
         delta["content"] = text
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
@@ -346,13 +381,22 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     logger.debug("request %s: %d prompt tokens", job.request_id, len(job.prompt_ids))
     if not job.stream:
         parts = [delta async for delta in run.deltas()]
+        text = "".join(parts)
         return web.json_response(
             {
                 "id": job.request_id,
                 "object": obj,
                 "created": created,
                 "model": info.model_name,
-                "choices": [_choice(job, "".join(parts), run.finish_reason, stream=False)],
+                "choices": [
+                    _choice(
+                        job,
+                        text,
+                        run.finish_reason,
+                        stream=False,
+                        logprobs=run.take_logprobs(text),
+                    )
+                ],
                 "usage": run.usage_body(),
                 "worker_id": info.worker_id,
             }
@@ -386,10 +430,22 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             if kind == "chat":
                 await response.write(event([_choice(job, "", None, stream=True, first=True)]))
             if first_delta is not None:
-                await response.write(event([_choice(job, first_delta, None, stream=True)]))
+                lps = run.take_logprobs(first_delta)
+                await response.write(
+                    event([_choice(job, first_delta, None, stream=True, logprobs=lps)])
+                )
                 async for delta in deltas:
-                    await response.write(event([_choice(job, delta, None, stream=True)]))
-            final = _choice(job, None if kind == "chat" else "", run.finish_reason, stream=True)
+                    lps = run.take_logprobs(delta)
+                    await response.write(
+                        event([_choice(job, delta, None, stream=True, logprobs=lps)])
+                    )
+            final = _choice(
+                job,
+                None if kind == "chat" else "",
+                run.finish_reason,
+                stream=True,
+                logprobs=run.take_logprobs(None) if run.job.params.logprobs is not None else None,
+            )
             await response.write(event([final]))
             if job.include_usage:
                 await response.write(event([], run.usage_body()))

@@ -1,0 +1,184 @@
+"""Sampling options end to end: the ``openai`` SDK against a real gateway and a real worker
+process on tiny_llama (gRPC between them), checked against Hugging Face on the same weights.
+
+logprobs equal ``log_softmax`` of HF's logits for the chosen tokens (chat and completions,
+streamed and not, and the worker's own HTTP front agrees); penalties and ``logit_bias``
+change greedy output exactly as an HF loop applying the same rule does.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from openai import OpenAI
+
+from tests.gateway.helpers import namespace
+from tests.gateway.test_fleet import Proc, _spawn
+from tests.support import free_port, wait_for_port, wait_until
+
+pytestmark = pytest.mark.slow
+PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203]
+
+
+@dataclass
+class Pair:
+    model_dir: Path
+    name: str
+    gateway: Proc
+    worker: Proc
+
+    def client(self) -> OpenAI:
+        return OpenAI(base_url=f"http://127.0.0.1:{self.gateway.port}/v1", api_key="x")
+
+    def worker_client(self) -> OpenAI:
+        port = self.worker.extra["http_port"]
+        return OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+
+
+@pytest.fixture(scope="module")
+def pair(
+    tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pair]:
+    logs = tmp_path_factory.mktemp("options-logs")
+    ns = namespace()
+    grpc_port, http_port, gw_port = free_port(), free_port(), free_port()
+    common = ["--model", str(tiny_llama), "--redis-url", redis_url, "--redis-namespace", ns]
+    worker = _spawn(
+        "w0",
+        ["worker", *common, "--worker-id", "w0", "--grpc-port", str(grpc_port),
+         "--http-port", str(http_port), "--num-blocks", "256", "--heartbeat-interval", "0.3",
+         "--heartbeat-ttl", "1.5", "--log-level", "WARNING"],
+        logs,
+        grpc_port,
+    )  # fmt: skip
+    worker.extra["http_port"] = http_port
+    gateway = _spawn(
+        "gateway",
+        ["gateway", *common, "--port", str(gw_port), "--host", "127.0.0.1",
+         "--log-level", "warning"],
+        logs,
+        gw_port,
+    )  # fmt: skip
+    try:
+        for port in (grpc_port, http_port, gw_port):
+            wait_for_port(port, timeout=120)
+
+        def ready() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{gw_port}/readyz", timeout=5) as r:
+                    return json.loads(r.read()).get("healthy_workers") == 1
+            except OSError:
+                return False
+
+        wait_until(ready, timeout=60, what="the gateway sees the worker")
+        yield Pair(tiny_llama, tiny_llama.resolve().name, gateway, worker)
+    finally:
+        for p in (gateway, worker):
+            p.stop(signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+def _hf_steps(hf: Any, prompt: list[int], n: int, rule: Any = None) -> tuple[list[int], list[Any]]:
+    """Greedy decoding on HF, optionally through ``rule(logits, generated)``; raw log-softmax."""
+    ids = list(prompt)
+    logps = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+            logps.append(torch.log_softmax(logits, -1))
+            chosen = logits if rule is None else rule(logits.clone(), ids[len(prompt) :])
+            ids.append(int(chosen.argmax()))
+    return ids[len(prompt) :], logps
+
+
+def test_completion_logprobs_equal_hf_log_softmax(pair: Pair, hf: Any) -> None:
+    tokens, logps = _hf_steps(hf, PROMPT, 6)
+    for client in (pair.client(), pair.worker_client()):
+        out = client.completions.create(
+            model=pair.name, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        lp = out.choices[0].logprobs
+        assert lp is not None and len(lp.token_logprobs) == 6
+        for i, (token, value) in enumerate(zip(tokens, lp.token_logprobs, strict=True)):
+            assert abs(value - float(logps[i][token])) < 1e-3, (i, value)
+            top = lp.top_logprobs[i]
+            assert len(top) == 3 and abs(max(top.values()) - float(logps[i].max())) < 1e-3
+        assert lp.text_offset[0] == 0 and "".join(lp.tokens) == out.choices[0].text
+
+
+def test_chat_logprobs_streamed_equal_unstreamed(pair: Pair) -> None:
+    client = pair.client()
+    args: dict[str, Any] = dict(
+        model=pair.name, messages=[{"role": "user", "content": "Count to five"}],
+        max_tokens=8, temperature=0, logprobs=True, top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    whole = client.chat.completions.create(**args)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 8 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+    streamed = []
+    for chunk in client.chat.completions.create(**args, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+            streamed.extend(chunk.choices[0].logprobs.content)
+    assert [(c.token, round(c.logprob, 4)) for c in streamed] == [
+        (c.token, round(c.logprob, 4)) for c in content
+    ]
+    assert "".join(c.token for c in content) == whole.choices[0].message.content
+
+
+def test_penalties_and_logit_bias_change_greedy_output_as_specified(pair: Pair, hf: Any) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pair.model_dir)
+    client = pair.client()
+
+    def text(ids: list[int]) -> str:
+        return str(tok.decode(ids, skip_special_tokens=True))
+
+    def complete(**options: Any) -> str:
+        out = client.completions.create(
+            model=pair.name, prompt=PROMPT, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, **options.pop("extra", {})}, **options,
+        )  # fmt: skip
+        return out.choices[0].text
+
+    def counted(logits: torch.Tensor, generated: list[int]) -> torch.Tensor:
+        for t in set(generated):
+            logits[t] -= 0.7 * generated.count(t) + 0.5
+        return logits
+
+    def repeated(logits: torch.Tensor, generated: list[int]) -> torch.Tensor:
+        seen = torch.tensor(sorted(set(PROMPT + generated)))
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / 1.8, vals * 1.8)
+        return logits
+
+    def banned(logits: torch.Tensor, generated: list[int]) -> torch.Tensor:
+        logits[plain[0]] -= 100
+        return logits
+
+    plain, _ = _hf_steps(hf, PROMPT, 8)
+    for rule, options in (
+        (counted, {"frequency_penalty": 0.7, "presence_penalty": 0.5}),
+        (repeated, {"extra": {"repetition_penalty": 1.8}}),
+        (banned, {"logit_bias": {str(plain[0]): -100}}),
+    ):
+        expected, _ = _hf_steps(hf, PROMPT, 8, rule)
+        assert expected != plain, options  # the option matters on this prompt
+        assert complete(**options) == text(expected), options
