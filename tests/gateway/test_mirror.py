@@ -97,6 +97,8 @@ async def test_new_epoch_reloads(redis_url: str, redis_client: aioredis.Redis) -
             lambda: (
                 mirror.index.longest_prefix([5]) == {"w1": 1}
                 and mirror.index.block_count("w1") == 1
+                and mirror.workers["w1"].loaded
+                and mirror.workers["w1"].record.epoch == "epoch-2"
             ),
             what="epoch reload",
         )
