@@ -103,6 +103,20 @@ def test_index_equals_a_plain_model_after_any_sequence_of_events() -> None:
                 if w in model:
                     index.drop(w)
                     del model[w]
+            elif op < 0.96:
+                # A staged reload: invisible until commit, and other workers' edits
+                # to shared hashes in between must not lose its entries.
+                staged = index.stage(w)
+                staged.add(hashes[: len(hashes) // 2])
+                other = rnd.choice(workers)
+                index.remove(other, hashes[:3])
+                model.get(other, set()).difference_update(hashes[:3])
+                staged.add(hashes[len(hashes) // 2 :])
+                if rnd.random() < 0.8:
+                    staged.commit()
+                    model[w] = set(hashes)
+                else:
+                    staged.abort()
             else:
                 index.maintain(rnd.randint(1, 400))
             if step % 25 == 0:
