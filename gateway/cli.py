@@ -67,6 +67,18 @@ _FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ),
     ("--api-keys-file", str, "", "JSON of bearer key -> tenant (optional)"),
     (
+        "--client-idle-timeout",
+        float,
+        30.0,
+        "seconds a client connection may sit idle or spend sending its headers (slowloris)",
+    ),
+    (
+        "--client-body-timeout",
+        float,
+        60.0,
+        "seconds a request body may take to arrive (408 after)",
+    ),
+    (
         "--tenant-salt-secret",
         str,
         "",
@@ -136,6 +148,8 @@ def config_from_args(argv: list[str]) -> GatewayConfig:
         max_body_bytes=v["--max-body-bytes"],
         api_keys_file=Path(v["--api-keys-file"]) if v["--api-keys-file"] else None,
         tenant_salt_secret=v["--tenant-salt-secret"],
+        client_idle_timeout_s=v["--client-idle-timeout"],
+        client_body_timeout_s=v["--client-body-timeout"],
         grpc_tls_ca=Path(v["--grpc-tls-ca"]) if v["--grpc-tls-ca"] else None,
         log_level=v["--log-level"].lower(),
         index_max_entries=v["--index-max-entries"],
@@ -155,7 +169,14 @@ async def serve(config: GatewayConfig) -> None:
 
     app = create_app(config)
     # Cancelling a handler when its client disconnects aborts the worker request too.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # keepalive_timeout runs from the connection's start (and from each response): a
+    # client that sends nothing, or its headers a byte at a time, is closed by then.
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=config.client_idle_timeout_s,
+    )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

@@ -33,6 +33,8 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     api_keys_file: Path | None = None
     tenant_salt_secret: str = field(default="", repr=False)  # HMAC key of tenant salts
+    client_idle_timeout_s: float = 30.0  # idle, or still sending its headers: closed
+    client_body_timeout_s: float = 60.0  # a request body still arriving after this: 408
     grpc_tls_ca: Path | None = None  # PEM CA bundle: dial workers over TLS
     log_level: str = "info"
     registry_poll_s: float = 0.5
@@ -54,6 +56,8 @@ class GatewayConfig:
             (self.first_token_timeout_s > 0, "--first-token-timeout must be > 0"),
             (self.inter_token_timeout_s > 0, "--inter-token-timeout must be > 0"),
             (self.engine_stall_s > 0, "--engine-stall-s must be > 0"),
+            (self.client_idle_timeout_s > 0, "--client-idle-timeout must be > 0"),
+            (self.client_body_timeout_s > 0, "--client-body-timeout must be > 0"),
             (self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024"),
             (
                 self.grpc_tls_ca is None or self.grpc_tls_ca.is_file(),

@@ -19,6 +19,8 @@ request's path, because the client's next turn resends exactly that.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import json
 import re
@@ -46,6 +48,8 @@ from openai_api.requests import (
 SESSION_HEADER = "X-Session-ID"
 MAX_SESSION_ID = 256  # characters of X-Session-ID (the ``user`` field is hashed whatever its size)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_OFF_LOOP_BYTES = 256 * 1024  # bodies this large are decoded in the executor
+_OFF_LOOP_MESSAGES = 256  # chats this long are rendered in the executor
 
 
 async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
@@ -104,8 +108,22 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
 
 
 async def read_json(request: web.Request) -> Any:
-    """The decoded JSON body; 413 past the size limit, 400 when not JSON."""
-    raw = await request.read()  # aiohttp raises 413 past client_max_size
+    """The decoded JSON body; 413 past the size limit, 408 when too slow, 400 when not JSON.
+
+    A large body is decoded in the executor, so the loop never stalls on it.
+    """
+    try:
+        async with asyncio.timeout(request.app[STATE].config.client_body_timeout_s):
+            raw = await request.read()  # aiohttp raises 413 past client_max_size
+    except TimeoutError:
+        raise APIError(408, "the request body did not arrive in time", code="timeout") from None
+    if len(raw) >= _OFF_LOOP_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(None, decode_json, raw)
+    return decode_json(raw)
+
+
+def decode_json(raw: bytes) -> Any:
+    """``raw`` as JSON, or a 400 (not JSON, nested too deeply, lone surrogates)."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -146,17 +164,28 @@ async def tokenize(state: GatewayState, req: ChatRequest | CompletionRequest) ->
     """Token ids exactly as the workers compute them (chat template for chat)."""
     tok = state.tokenizer
     if isinstance(req, ChatRequest):
+        render = functools.partial(
+            tok.render,
+            req.messages,
+            add_generation_prompt=req.add_generation_prompt,
+            **dict(req.template_kwargs),
+        )
+        size = sum(len(m["content"]) for m in req.messages)
         try:
-            text = tok.render(
-                req.messages,
-                add_generation_prompt=req.add_generation_prompt,
-                **dict(req.template_kwargs),
-            )
+            if size >= tok.executor_min_chars or len(req.messages) >= _OFF_LOOP_MESSAGES:
+                text = await asyncio.get_running_loop().run_in_executor(None, render)
+            else:
+                text = render()
         except Exception as exc:  # jinja raises its own errors for templates that reject input
             raise APIError(
                 400, f"the chat template rejected the messages: {exc}", param="messages"
             ) from exc
-        return await tok.aencode_rendered(text)
+        # A prompt the context will refuse is not remembered (rejected requests never
+        # fill the prefix cache).
+        limit = state.dispatcher.max_model_len(tok.max_model_len)
+        return await tok.aencode_rendered(
+            text, remember_below=limit - (req.sampling.max_tokens or 1)
+        )
     if isinstance(req.prompt, str):
         return await tok.aencode_prompt(req.prompt)
     prompt = Prompt(list(req.prompt))

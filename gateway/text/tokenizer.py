@@ -111,13 +111,19 @@ class ChatTokenizer:
             return list(self._fast.encode(text, add_special_tokens=add_special_tokens).ids)
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    async def aencode_rendered(self, text: str) -> Prompt:
-        """Ids of an already rendered chat; a long uncached suffix goes to an executor."""
+    async def aencode_rendered(self, text: str, *, remember_below: int | None = None) -> Prompt:
+        """Ids of an already rendered chat; a long uncached suffix goes to an executor.
+
+        The prefixes are remembered only when the prompt has fewer than
+        ``remember_below`` tokens (one the context refuses never fills the cache).
+        """
         cache = self.prefix_cache
         if cache is None:
             return Prompt(await self._encode_maybe_off_loop(text))
         plan = cache.plan(text)
         ids = plan.prefix_ids + await self._encode_maybe_off_loop(text[plan.cut :])
+        if remember_below is not None and len(ids) >= remember_below:
+            return Prompt(ids, plan.entry)
         return Prompt(ids, plan.entry, cache.remember(text, ids))
 
     async def aencode_prompt(self, text: str) -> Prompt:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 96
 MAX_BODY = 64 * 1024
+CLIENT_TIMEOUT_S = 2.0  # the gateway's idle/header and body timeouts here
 # Measured on 2 busy cores: schemathesis ~25-60 requests/s (case generation dominates; valid
 # chats that generate tokens ~10/s), the hypothesis bodies ~130/s: the module sends its
 # 10,000 requests in about 2 minutes, most of them from the hypothesis bodies.
@@ -63,7 +66,16 @@ def fleet(
         namespace="kvbadinput",
         num_blocks=256,
         worker_args=("--max-model-len", str(MAX_MODEL_LEN), "--log-level", "WARNING"),
-        gateway_args=("--max-body-bytes", str(MAX_BODY), "--log-level", "warning"),
+        gateway_args=(
+            "--max-body-bytes",
+            str(MAX_BODY),
+            "--log-level",
+            "warning",
+            "--client-idle-timeout",
+            str(CLIENT_TIMEOUT_S),
+            "--client-body-timeout",
+            str(CLIENT_TIMEOUT_S),
+        ),
         log_dir=str(tmp_path_factory.mktemp("bad-input-logs")),
     )
     with Fleet(config) as f:
@@ -298,6 +310,53 @@ def test_hostile_text_nesting_and_header_bytes(
         headers[header_name] = (b"Bearer " if header_name == "Authorization" else b"") + header
     resp = http.post(fleet.gateway_url + path, data=raw, headers=headers, timeout=30)
     _check(resp, (where, text, depth, kind, header))
+
+
+# -- slow clients (slowloris) ------------------------------------------------------------------
+
+
+def _closed_after(sock: socket.socket, trickle: bytes, gap_s: float) -> tuple[float, bytes]:
+    """Sends ``trickle`` a byte per ``gap_s`` until the gateway answers or closes; returns
+    the seconds that took and what came back."""
+    started = time.monotonic()
+    sock.settimeout(gap_s)
+    for i in range(len(trickle) + 1):
+        try:
+            reply = sock.recv(4096)
+            return time.monotonic() - started, reply  # b"" = closed
+        except TimeoutError:
+            pass
+        if i < len(trickle):
+            try:
+                sock.send(trickle[i : i + 1])
+            except OSError:  # closed under us
+                return time.monotonic() - started, b""
+    raise AssertionError("the gateway held a slow connection open")
+
+
+@pytest.mark.parametrize("stage", ["silent", "headers", "body"])
+def test_slow_clients_are_cut_off(fleet: Fleet, stage: str) -> None:
+    """A connection that sends nothing, its headers a byte at a time, or its body a byte at
+    a time is closed (or answered 408) soon after the client timeouts, not held."""
+    host, port = "127.0.0.1", int(fleet.gateway_url.rsplit(":", 1)[1])
+    body = b'{"model": "x", "prompt": "' + b"a" * 200 + b'"}'
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
+    with socket.create_connection((host, port)) as sock:
+        if stage == "silent":
+            took, reply = _closed_after(sock, b"", 6 * CLIENT_TIMEOUT_S)  # sends nothing
+        elif stage == "headers":
+            took, reply = _closed_after(sock, head, 0.3)
+        else:
+            sock.sendall(head)
+            took, reply = _closed_after(sock, body, 0.3)
+    assert took < 3 * CLIENT_TIMEOUT_S, took
+    if stage == "body":
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:80]
+    else:
+        assert reply == b"", reply[:80]
 
 
 # -- gRPC straight to the worker ---------------------------------------------------------------
