@@ -327,11 +327,14 @@ class Bridge:
         return batches[-1].seq + 1
 
     async def _poll(self, http: EngineHTTP, view: _EngineView) -> bool:
-        """One scrape of ``/metrics`` into the registry load; False if the engine is unreachable."""
+        """``/health``, then ``/metrics`` into the registry load; False if the engine is not serving."""
+        if not await http.healthy():
+            return False
         try:
             load = await http.load()
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            return await http.healthy()
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            logger.warning("engine /metrics unreadable (%s); keeping the last load", exc)
+            return True
         self._rates.update(load)
         view.load = _stats(load, view.load.num_blocks, self._rates)
         return True
