@@ -27,7 +27,7 @@ from gateway.text.tokenizer_folder import resolve_model_dir
 logger = logging.getLogger(__name__)
 
 # flag, type, default, help
-_FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
+_FLAGS: list[tuple[str, Callable[[str], Any] | str, Any, str]] = [
     ("--model", str, None, "model folder (tokenizer + chat template) or the alias smollm2"),
     (
         "--served-model-name",
@@ -86,6 +86,8 @@ _FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ),
     ("--grpc-tls-ca", str, "", "PEM CA bundle: dial workers over gRPC TLS (optional)"),
     ("--log-level", str, "info", "one of " + ", ".join(LOG_LEVELS)),
+    ("--access-log", "bool", "true", "one INFO line per request (logger kvroute.access)"),
+    ("--vllm-metrics", "bool", "false", "also export vLLM-named metrics (vllm:*) on /metrics"),
     ("--index-max-entries", int, 0, "memory bound: (worker, block) entries kept (0 = all)"),
     ("--redis-cluster", str, "false", "true: --redis-url is a node of a Redis Cluster"),
 ]
@@ -110,9 +112,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _convert(args: argparse.Namespace, flag: str, kind: Callable[[str], Any]) -> Any:
+def parse_bool(raw: str) -> bool:
+    """``true``/``false`` (also 1/0, yes/no, on/off) as a flag or environment value."""
+    lowered = raw.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+def _convert(args: argparse.Namespace, flag: str, kind: Callable[[str], Any] | str) -> Any:
     raw = getattr(args, flag.lstrip("-").replace("-", "_"))
-    if raw is None or kind is str:
+    if kind == "bool":
+        try:
+            return parse_bool(str(raw))
+        except ValueError:
+            raise ValueError(f"{flag}: expected true or false, got {raw!r}") from None
+    if raw is None or kind is str or isinstance(kind, str):
         return raw
     try:
         return kind(raw)
@@ -152,6 +169,8 @@ def config_from_args(argv: list[str]) -> GatewayConfig:
         client_body_timeout_s=v["--client-body-timeout"],
         grpc_tls_ca=Path(v["--grpc-tls-ca"]) if v["--grpc-tls-ca"] else None,
         log_level=v["--log-level"].lower(),
+        access_log=v["--access-log"],
+        vllm_metrics=v["--vllm-metrics"],
         index_max_entries=v["--index-max-entries"],
         redis_cluster=_flag_bool("--redis-cluster", v["--redis-cluster"]),
     )
@@ -207,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if not config.access_log:
+        logging.getLogger("kvroute.access").setLevel(logging.WARNING)
     loop_factory = None
     try:
         import uvloop

@@ -37,6 +37,8 @@ class GatewayConfig:
     client_body_timeout_s: float = 60.0  # a request body still arriving after this: 408
     grpc_tls_ca: Path | None = None  # PEM CA bundle: dial workers over TLS
     log_level: str = "info"
+    access_log: bool = True  # one INFO line per request on the kvroute.access logger
+    vllm_metrics: bool = False  # also export vllm:* aliases of the fleet-level metrics
     registry_poll_s: float = 0.5
     max_retries: int = 2  # other workers tried when one fails before its first token
     tokenizer_cache_entries: int = 1024

@@ -33,6 +33,7 @@ from aiohttp import web
 from gateway.edge.app_keys import STATE, TENANT, GatewayState
 from gateway.edge.auth import ANONYMOUS, Tenant
 from gateway.edge.relay import Relay
+from gateway.observe.access_log import note_request, observe_finished
 from gateway.routing.dispatch import Job
 from gateway.text.prefix_tokens import Prompt
 from gateway.upstream.base import Generation
@@ -68,6 +69,7 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     # 4. limits
     max_tokens = fit_context(state, s, prompt, chat)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    note_request(request, rid, tenant.name)
     job = Job(
         request_id=rid,
         prompt=prompt,
@@ -102,6 +104,9 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
         resp = await (relay.sse() if s.stream else relay.json_body())
     finally:
         stream.close(relay.cached_tokens)
+        observe_finished(
+            request, state.metrics, stream, relay.completion_tokens, relay.cached_tokens
+        )
     if isinstance(req, ChatRequest):
         state.spawn(state.tokenizer.remember_answer(req.messages, relay.detok.output_text))
     return resp

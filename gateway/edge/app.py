@@ -22,6 +22,8 @@ from gateway.edge.app_keys import STATE, TENANT, GatewayState
 from gateway.edge.auth import ApiKeys
 from gateway.edge.openapi import openapi_spec
 from gateway.observe import dashboard
+from gateway.observe.access_log import log_access
+from gateway.observe.fleet_window import FleetWindow
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RollingStats
 from gateway.routing.dispatch import Dispatcher
@@ -45,6 +47,23 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     metrics = request.app[STATE].metrics
+    started = time.perf_counter()
+    api = request.path.startswith("/v1/")
+    if api:
+        metrics.inflight_requests.inc()
+    try:
+        resp = await _shaped(request, handler)
+    finally:
+        if api:
+            metrics.inflight_requests.dec()
+    if api:  # probes, scrapes and the dashboard's polls are not traffic
+        metrics.responses.labels(str(resp.status)).inc()
+    log_access(request, resp.status, started)
+    return resp
+
+
+async def _shaped(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The handler's response, or an OpenAI error body for whatever it raised."""
     try:
         resp = await handler(request)
     except APIError as exc:
@@ -61,7 +80,6 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         resp = web.json_response(error_body(500, "internal gateway error"), status=500)
-    metrics.responses.labels(str(resp.status)).inc()
     return resp
 
 
@@ -115,14 +133,15 @@ def refresh_gauges(state: GatewayState) -> None:
         m.index_blocks.labels(wid).set(state.index.block_count(wid))
         m.index_event_lag.labels(wid).set(entry.event_lag_s)
         s = state.dispatcher.state(entry, 0)
-        for kind, value in (
-            ("running", s.running),
-            ("waiting", s.waiting),
-            ("queued_prefill_tokens", s.queued_prefill_tokens),
-            ("free_blocks", entry.record.free_blocks),
-            ("inflight", s.inflight),
-        ):
-            m.worker_load.labels(wid, kind).set(value)
+        m.set_worker(
+            wid,
+            running=s.running,
+            waiting=s.waiting,
+            queued_prefill_tokens=s.queued_prefill_tokens,
+            inflight=s.inflight,
+            free_blocks=entry.record.free_blocks,
+            num_blocks=entry.record.num_blocks,
+        )
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -170,7 +189,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         "openai-http": OpenAIHTTPUpstream(),
     }
     sessions = SessionMap(config.session_ttl_s)
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(config.model_name if config.vllm_metrics else None)
     stats = RollingStats()
     mirror = IndexMirror(
         config.redis_url,
@@ -226,6 +245,7 @@ def create_app(config: GatewayConfig, *, tokenizer: ChatTokenizer | None = None)
     """The gateway as an aiohttp application (pass ``tokenizer`` to share a loaded one)."""
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors, _auth])
     app[STATE] = build_state(config, tokenizer)
+    app[dashboard.WINDOW] = FleetWindow(app[STATE].metrics.registry, time.monotonic())
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.models)

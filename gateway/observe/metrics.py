@@ -1,45 +1,85 @@
-"""The gateway's Prometheus metrics, on a registry of its own (names per docs/INTERFACES.md)."""
+"""The gateway's Prometheus metrics, on a registry of its own (names per docs/INTERFACES.md).
+
+Per-worker series carry ``worker_id``, the label name the workers use too; each
+gauge has one unit (no ``kind`` label mixing requests, tokens and blocks). The
+standard ``process_*`` metrics come along. With ``vllm_model_name`` set, the
+fleet-level figures are also exported under vLLM's names (``vllm:*``, summed
+over workers, labelled ``model_name``), so dashboards and load generators built
+for vLLM (inference-perf, vLLM's Grafana board) read a kvroute gateway as is.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections import defaultdict
+from collections.abc import Iterator
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
 
 _ROUTING_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-LOAD_KINDS = ("running", "waiting", "queued_prefill_tokens", "free_blocks", "inflight")
+WORKER = "worker_id"
+# The router's view of each worker, one gauge per figure: (name suffix, help).
+WORKER_GAUGES = (
+    ("running", "Sequences running on the worker (heartbeat, corrected by this gateway)"),
+    ("waiting", "Sequences waiting on the worker (heartbeat, corrected by this gateway)"),
+    ("queued_prefill_tokens", "Prompt tokens queued on the worker, not yet computed"),
+    ("inflight", "Requests this gateway has open on the worker"),
+    ("free_blocks", "KV blocks free on the worker (heartbeat)"),
+    ("num_blocks", "KV blocks in the worker's pool (registry)"),
+)
 
 
 class GatewayMetrics:
     """Every ``kvroute_gateway_*`` series; one instance per app."""
 
-    def __init__(self) -> None:
+    def __init__(self, vllm_model_name: str | None = None) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         p = "kvroute_gateway_"
         self.requests = Counter(
             p + "requests",
-            "Requests routed, by worker and reason",
-            ["worker", "reason"],
+            "Requests routed (counted at their first token), by worker and reason",
+            [WORKER, "reason"],
             registry=r,
         )
         self.responses = Counter(
-            p + "responses", "Responses sent, by HTTP status", ["code"], registry=r
+            p + "responses", "OpenAI API responses sent, by HTTP status", ["code"], registry=r
         )
         self.prompt_tokens = Counter(
-            p + "prompt_tokens", "Prompt tokens routed", ["worker"], registry=r
+            p + "prompt_tokens", "Prompt tokens routed", [WORKER], registry=r
+        )
+        self.generation_tokens = Counter(
+            p + "generation_tokens", "Tokens generated and relayed", [WORKER], registry=r
         )
         self.predicted_cached_tokens = Counter(
             p + "predicted_cached_tokens",
             "Prompt tokens the index predicted cached",
-            ["worker"],
+            [WORKER],
             registry=r,
         )
         self.cached_tokens = Counter(
-            p + "cached_tokens", "Cached prompt tokens the worker reported", ["worker"], registry=r
+            p + "cached_tokens", "Cached prompt tokens the worker reported", [WORKER], registry=r
         )
         self.retries = Counter(
             p + "retries",
             "Requests retried elsewhere after this worker failed",
-            ["worker"],
+            [WORKER],
             registry=r,
         )
         self.routing_seconds = Histogram(
@@ -51,24 +91,29 @@ class GatewayMetrics:
         self.ttft_seconds = Histogram(
             p + "ttft_seconds",
             "Time to first token seen by the gateway",
-            ["worker"],
+            [WORKER],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.e2e_seconds = Histogram(
             p + "e2e_seconds",
             "Request time seen by the gateway",
-            ["worker"],
+            [WORKER],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.inflight_requests = Gauge(
+            p + "inflight_requests",
+            "OpenAI API requests this gateway is handling now (the autoscaling metric)",
+            registry=r,
+        )
         self.index_blocks = Gauge(
-            p + "index_blocks", "Blocks the index holds per worker", ["worker"], registry=r
+            p + "index_blocks", "Blocks the index holds per worker", [WORKER], registry=r
         )
         self.index_event_lag = Gauge(
             p + "index_event_lag_seconds",
             "Now minus the timestamp of the last applied event batch",
-            ["worker"],
+            [WORKER],
             registry=r,
         )
         self.index_entries = Gauge(
@@ -86,23 +131,80 @@ class GatewayMetrics:
         self.healthy_workers = Gauge(
             p + "healthy_workers", "Workers the gateway routes to", registry=r
         )
-        self.worker_load = Gauge(
-            p + "worker_load", "Worker load as the router sees it", ["worker", "kind"], registry=r
-        )
+        self.worker_gauges = {
+            name: Gauge(p + "worker_" + name, text, [WORKER], registry=r)
+            for name, text in WORKER_GAUGES
+        }
+        if vllm_model_name is not None:
+            r.register(_VllmAliases(self, vllm_model_name))
+
+    def set_worker(self, worker_id: str, **values: float) -> None:
+        """Sets the per-worker gauges named in ``WORKER_GAUGES`` (``running=3, ...``)."""
+        for name, value in values.items():
+            self.worker_gauges[name].labels(worker_id).set(value)
 
     def forget_worker(self, worker_id: str) -> None:
         """Removes a dead worker's gauges so dashboards stop showing stale values."""
-        for gauge in (self.index_blocks, self.index_event_lag):
+        for gauge in (self.index_blocks, self.index_event_lag, *self.worker_gauges.values()):
             try:
                 gauge.remove(worker_id)
-            except KeyError:
-                continue
-        for kind in LOAD_KINDS:
-            try:
-                self.worker_load.remove(worker_id, kind)
             except KeyError:
                 continue
 
     def render(self) -> bytes:
         """The text exposition format."""
         return generate_latest(self.registry)
+
+
+def _sum_samples(metric: Counter | Gauge | Histogram, suffix: str) -> dict[str, float]:
+    """``{le or "": value}`` of one family's samples ending in ``suffix``, summed over workers."""
+    out: dict[str, float] = defaultdict(float)
+    for family in metric.collect():
+        for s in family.samples:
+            if s.name == family.name + suffix:
+                out[s.labels.get("le", "")] += s.value
+    return out
+
+
+class _VllmAliases(Collector):
+    """vLLM's names for the fleet-level figures, computed from the gateway's own series."""
+
+    def __init__(self, metrics: GatewayMetrics, model_name: str) -> None:
+        self.m = metrics
+        self.model_name = model_name
+
+    def describe(self) -> list[Metric]:
+        return []  # computed at collect time; nothing to check against the registry
+
+    def collect(self) -> Iterator[Metric]:
+        m, labels, value = self.m, ["model_name"], [self.model_name]
+        counters = (
+            ("vllm:prompt_tokens", m.prompt_tokens, "Prompt tokens routed."),
+            ("vllm:generation_tokens", m.generation_tokens, "Generation tokens relayed."),
+            ("vllm:prefix_cache_queries", m.prompt_tokens, "Prefix cache queries, in tokens."),
+            ("vllm:prefix_cache_hits", m.cached_tokens, "Prefix cache hits, in tokens."),
+        )
+        for name, source, text in counters:
+            family = CounterMetricFamily(name, text, labels=labels)
+            family.add_metric(value, sum(_sum_samples(source, "_total").values()))
+            yield family
+        gauges = (
+            ("vllm:num_requests_running", "running", "Requests running on the workers."),
+            ("vllm:num_requests_waiting", "waiting", "Requests waiting on the workers."),
+        )
+        for name, key, text in gauges:
+            gauge = GaugeMetricFamily(name, text, labels=labels)
+            gauge.add_metric(value, sum(_sum_samples(m.worker_gauges[key], "").values()))
+            yield gauge
+        for name, hist, text in (
+            ("vllm:time_to_first_token_seconds", m.ttft_seconds, "Time to first token."),
+            ("vllm:e2e_request_latency_seconds", m.e2e_seconds, "End-to-end request latency."),
+        ):
+            buckets = _sum_samples(hist, "_bucket")
+            histogram = HistogramMetricFamily(name, text, labels=labels)
+            ordered = sorted(buckets.items(), key=lambda kv: float(kv[0]))
+            if ordered:  # no worker has served a request yet: no buckets to show
+                histogram.add_metric(
+                    value, ordered, sum_value=sum(_sum_samples(hist, "_sum").values())
+                )
+            yield histogram

@@ -88,6 +88,7 @@ class Stream:
         self.reason = reason
         self.predicted_cached_tokens = predicted_cached
         self.first = first
+        self.first_at = time.perf_counter()  # the first token's arrival (TTFT in the access log)
         self._call = call
         self._closed = False
 

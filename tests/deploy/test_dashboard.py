@@ -20,13 +20,13 @@ REQUIRED = [
     ),
     (
         "predicted hit rate per worker (gateway)",
-        r"by \(worker\) \(rate\(kvroute_gateway_predicted_cached_tokens_total.*"
-        r"/ sum by \(worker\) \(rate\(kvroute_gateway_prompt_tokens_total",
+        r"by \(worker_id\) \(rate\(kvroute_gateway_predicted_cached_tokens_total.*"
+        r"/ sum by \(worker_id\) \(rate\(kvroute_gateway_prompt_tokens_total",
     ),
     (
         "actual hit rate per worker (gateway)",
-        r"by \(worker\) \(rate\(kvroute_gateway_cached_tokens_total.*"
-        r"/ sum by \(worker\) \(rate\(kvroute_gateway_prompt_tokens_total",
+        r"by \(worker_id\) \(rate\(kvroute_gateway_cached_tokens_total.*"
+        r"/ sum by \(worker_id\) \(rate\(kvroute_gateway_prompt_tokens_total",
     ),
     ("routing reason mix", r"sum by \(reason\) \(rate\(kvroute_gateway_requests_total"),
     ("TTFT p50", r"histogram_quantile\(0\.5, .*kvroute_gateway_ttft_seconds_bucket"),
@@ -40,6 +40,9 @@ REQUIRED = [
     ("evictions per second", r"rate\(kvroute_worker_evictions_total"),
     ("index event lag", r"kvroute_gateway_index_event_lag_seconds"),
     ("healthy workers", r"kvroute_gateway_healthy_workers"),
+    ("in flight per worker", r"by \(worker_id\) \(kvroute_gateway_worker_inflight"),
+    ("generated tokens per second", r"rate\(kvroute_gateway_generation_tokens_total"),
+    ("requests in flight (autoscaling metric)", r"kvroute_gateway_inflight_requests"),
 ]
 
 

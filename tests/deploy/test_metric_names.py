@@ -105,8 +105,8 @@ def test_dashboard_covers_every_interface_metric() -> None:
 
 @pytest.mark.parametrize("source", ["dashboard", "rules"])
 def test_label_matchers_use_the_metrics_own_labels(source: str) -> None:
-    """Worker series say `worker_id`, gateway series say `worker`: a matcher on the wrong
-    one silently selects nothing."""
+    """Every series names the worker `worker_id`; a matcher on a label a metric does not
+    have silently selects nothing."""
     metrics, labels = interface_metrics(), interface_labels()
     exprs = dashboard_exprs() if source == "dashboard" else rule_exprs()
     checked = 0

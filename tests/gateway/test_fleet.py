@@ -386,7 +386,7 @@ def test_killed_worker_leaves_routing_and_index(fleet: Fleet) -> None:
     )
     assert sorted(w["worker_id"] for w in data["workers"]) == ["w0", "w1"]
     metrics = urllib.request.urlopen(fleet.url() + "/metrics", timeout=10).read().decode()
-    assert 'kvroute_gateway_index_blocks{worker="w2"}' not in metrics
+    assert 'kvroute_gateway_index_blocks{worker_id="w2"}' not in metrics
     assert "kvroute_gateway_healthy_workers 2.0" in metrics
     for _ in range(3):
         worker, _, _ = _chat_raw(client, fleet.name, [{"role": "user", "content": "after"}])

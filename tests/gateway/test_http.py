@@ -122,16 +122,22 @@ async def test_metrics_names(gateway: Harness) -> None:
         "kvroute_gateway_prompt_tokens_total",
         "kvroute_gateway_retries_total",
         "kvroute_gateway_predicted_cached_tokens_total",
-        'kvroute_gateway_cached_tokens_total{worker="w1"} 16.0',
+        'kvroute_gateway_cached_tokens_total{worker_id="w1"} 16.0',
+        'kvroute_gateway_generation_tokens_total{worker_id="w1"}',
+        "kvroute_gateway_inflight_requests 0.0",
+        "process_cpu_seconds_total",
         "kvroute_gateway_routing_seconds_bucket",
         "kvroute_gateway_ttft_seconds_bucket",
         "kvroute_gateway_e2e_seconds_bucket",
         "kvroute_gateway_index_blocks",
         "kvroute_gateway_index_event_lag_seconds",
         "kvroute_gateway_healthy_workers 1.0",
-        'kvroute_gateway_worker_load{kind="inflight",worker="w1"} 0.0',
+        'kvroute_gateway_worker_inflight{worker_id="w1"} 0.0',
+        'kvroute_gateway_worker_free_blocks{worker_id="w1"}',
     ):
         assert name in text, name
+    # One label name for the worker, on the gateway as on the workers; no vllm:* by default.
+    assert 'worker="' not in text and "kind=" not in text and "vllm:" not in text
     assert 'kvroute_gateway_responses_total{code="200"} 1.0' in text
 
 
@@ -221,7 +227,7 @@ async def test_cache_routing_and_retry_on_failure(gateway: Harness) -> None:
     assert resp.headers["x-kvroute-reason"] == "retry"  # a was the cache pick, it failed
     assert len(bad.requests) == 1 and len(good.requests) == 1
     metrics = await (await gateway.client.get("/metrics")).text()
-    assert 'kvroute_gateway_retries_total{worker="a"} 1.0' in metrics
+    assert 'kvroute_gateway_retries_total{worker_id="a"} 1.0' in metrics
     # a is cooling down now: the next request goes straight to b, by cache (2 blocks).
     resp = await gateway.chat(messages)
     assert (resp.headers["x-kvroute-worker"], resp.headers["x-kvroute-reason"]) == ("b", "cache")
@@ -239,7 +245,9 @@ async def test_longest_prefix_wins(gateway: Harness) -> None:
     assert (resp.headers["x-kvroute-worker"], resp.headers["x-kvroute-reason"]) == ("b", "cache")
     metrics = await (await gateway.client.get("/metrics")).text()
     predicted = len(gateway.chat_hashes(messages)) * 16
-    assert f'kvroute_gateway_predicted_cached_tokens_total{{worker="b"}} {predicted}.0' in metrics
+    assert (
+        f'kvroute_gateway_predicted_cached_tokens_total{{worker_id="b"}} {predicted}.0' in metrics
+    )
 
 
 async def test_session_affinity(make_gateway: MakeGateway) -> None:
