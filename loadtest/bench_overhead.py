@@ -157,7 +157,7 @@ async def _serve_fakes(workers: int, redis_url: str, namespace: str, ready: Path
         pub = Publisher(
             _FakeEngine(set()),
             EventQueue(),
-            PublisherConfig(redis_url, f"fake-{i}", namespace),
+            PublisherConfig(redis_url, f"fake-{i}", namespace, heartbeat_ttl=30.0),
             record,
         )
         await pub.start()
