@@ -3,7 +3,8 @@
 A discrete-event simulation of one gateway and N workers:
 
 - Each worker has a real ``BlockCache`` of ``capacity_tokens / block_size``
-  blocks and one FCFS prefill queue served at ``prefill_tokens_per_s``; a
+  blocks and one FCFS prefill queue served at ``prefill_tokens_per_s`` (plus
+  ``prefill_step_s`` per request); a
   request's blocks are acquired (hit measured, room evicted) when its prefill
   starts, so ``TTFT = queue wait + max(prompt - cached, 1) / rate``. Decode
   then takes ``(output_tokens - 1) * decode_step_s``; decoding requests run in
@@ -52,6 +53,7 @@ class SimConfig:
     block_size: int = 512
     capacity_tokens: int = 3_000_000
     prefill_tokens_per_s: float = 10_000.0
+    prefill_step_s: float = 0.0  # fixed cost of a prefill (a GPU step reads every weight once)
     decode_step_s: float = 0.025
     event_delay_s: float = 0.05
     heartbeat_s: float = 1.0  # 0 = the router sees live load
@@ -77,6 +79,7 @@ class SimConfig:
         if not self.prefill_tokens_per_s > 0:
             raise ValueError("--prefill-tokens-per-s must be positive")
         for name in (
+            "prefill_step_s",
             "decode_step_s",
             "event_delay_s",
             "heartbeat_s",
@@ -228,7 +231,7 @@ class FleetSimulation:
         rec.start_s = now
         uncached = max(shape.prompt_tokens - rec.cached_tokens, 1)
         w.current, w.current_tokens = rec, uncached
-        w.current_end = now + uncached / self.cfg.prefill_tokens_per_s
+        w.current_end = now + self.cfg.prefill_step_s + uncached / self.cfg.prefill_tokens_per_s
         if evicted:
             self._push(now + self.cfg.event_delay_s, _REMOVED, (w.wid, evicted))
         self._push(w.current_end, _PREFILL_DONE, w)
