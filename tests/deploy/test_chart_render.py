@@ -130,6 +130,8 @@ def test_worker_statefulset_one_gpu_each_and_pod_ip_advertised() -> None:
     assert _flag(args, "--advertise-host") == "$(KVROUTE_POD_IP)"
     assert env["KVROUTE_POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert _flag(args, "--worker-id") == "$(KVROUTE_POD_NAME)"
+    # A SIGTERMed worker drains for exactly as long as Kubernetes waits before SIGKILL.
+    assert _flag(args, "--drain-grace-s") == str(pod["terminationGracePeriodSeconds"])
     assert env["KVROUTE_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert _flag(args, "--device") == "cuda"
     assert _flag(args, "--dtype") == "bfloat16"
@@ -193,6 +195,10 @@ def test_cpu_worker_download_and_api_keys() -> None:
     assert keys_file == f"{mount['mountPath']}/api-keys"
     secret = next(v for v in gateway["volumes"] if v["name"] == "api-keys")["secret"]
     assert secret["secretName"] == "kvroute-api-keys"
+    # Tenant salts are an HMAC under a key from the same Secret, never plain env.
+    env = {e["name"]: e for e in gateway["containers"][0]["env"]}
+    ref = env["KVROUTE_TENANT_SALT_SECRET"]["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == ("kvroute-api-keys", "tenant-salt-secret")
     redis = find(items, "StatefulSet", "redis").doc
     assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "fast"
     assert "--appendonly" in redis["spec"]["template"]["spec"]["containers"][0]["args"]
