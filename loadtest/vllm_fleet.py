@@ -293,7 +293,8 @@ class VllmFleet(Fleet):
 
 def _main() -> int:
     """``python -m loadtest.vllm_fleet``: starts a 2-worker fleet and prints its URLs."""
-    with VllmFleet(FleetConfig(workers=2, echo_logs=True)) as fleet:
+    fleet = VllmFleet(FleetConfig(workers=2, echo_logs=True))
+    with fleet:
         print(fleet.gateway_url, [s.url for s in fleet.servers], fleet.startup_s, file=sys.stderr)
         with contextlib.suppress(KeyboardInterrupt):
             while True:
