@@ -21,6 +21,14 @@ import aiohttp
 from loadtest.fleet import Fleet
 
 _BLOCKS = re.compile(r'^kvroute_worker_blocks\{[^}]*state="(\w+)"[^}]*\}\s+(\S+)$', re.M)
+_BLOCK_GAUGES = {
+    key: re.compile(rf"^kvroute_worker_{name}\{{[^}}]*\}}\s+(\S+)$", re.M)
+    for key, name in (
+        ("cached", "cached_blocks"),
+        ("pinned", "pinned_blocks"),
+        ("capacity", "block_capacity"),
+    )
+}
 _FINISH = re.compile(
     r'^kvroute_worker_requests_total\{[^}]*finish_reason="(\w+)"[^}]*\}\s+(\S+)$', re.M
 )
@@ -82,9 +90,15 @@ def worker_metrics_text(http_url: str) -> str:
 
 
 def worker_blocks(http_url: str) -> dict[str, int]:
-    """``kvroute_worker_blocks`` by state (total, used, cached, free, pinned) from /metrics."""
+    """Block counts from /metrics: ``kvroute_worker_blocks{state}`` (used, free) plus the
+    ``cached``, ``pinned`` and ``capacity`` gauges."""
     text = worker_metrics_text(http_url)
-    return {state: int(float(v)) for state, v in _BLOCKS.findall(text)}
+    blocks = {state: int(float(v)) for state, v in _BLOCKS.findall(text)}
+    for key, rx in _BLOCK_GAUGES.items():
+        match = rx.search(text)
+        if match:
+            blocks[key] = int(float(match.group(1)))
+    return blocks
 
 
 def worker_finishes(http_url: str) -> dict[str, int]:
