@@ -1,0 +1,216 @@
+"""The routing sweep: traces x fleet sizes x capacities x arrival rates, every policy, in the simulator.
+
+    python -m loadtest.sweep --json docs/routing_sweep.json --markdown docs/routing_sweep.md
+
+For each cell (workload, arrival rate, fleet size, per-worker capacity) every
+policy of ``loadtest.fleetsim.SIM_POLICIES`` replays the same shapes through
+the simulator (the production ``Router`` for kvroute's policies). A cell
+passes when kvroute's hit rate is within ``--hit-tolerance`` of the best
+baseline's and its TTFT p99 within ``--p99-tolerance`` of the best
+baseline's; the table reports both margins and names the baseline that set
+each bar. ``target_met`` is computed from every cell.
+
+Workloads: ``mooncake`` (the conversation trace, 512-token blocks, its own
+timestamps scaled by the rate factor), ``chat`` (multi-turn users with a
+shared system prompt) and ``zipf_prefix`` (a few long shared prefixes with
+Zipf popularity, the traffic a prefix-threshold router like SGLang's is built
+for), both with 16-token blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from contract.hashing import HashSpec
+from loadtest.fleetsim import SIM_POLICIES, SimConfig
+from loadtest.simulate import run_policy
+from loadtest.workloads import (
+    RequestShape,
+    TraceChains,
+    TraceTokens,
+    conversation_shapes,
+    load_trace,
+    synthetic_workload,
+)
+
+logger = logging.getLogger(__name__)
+
+TRACE = Path(__file__).with_name("traces") / "mooncake_conversation_trace.jsonl"
+FLEET_SIZES = (4, 8, 16, 32)
+# Baselines kvroute must match or beat ("session" and "least_loaded" included).
+BASELINES = tuple(p for p in SIM_POLICIES if p != "kvroute")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A workload family: its block size, its two capacities and its two rate factors."""
+
+    name: str
+    block_size: int
+    capacities: tuple[int, int]  # per-worker tokens: tight, ample
+    rates: tuple[float, float]  # arrival-rate multipliers: base, double
+
+
+WORKLOADS = {
+    "mooncake": Workload("mooncake", 512, (300_000, 3_000_000), (1.0, 2.0)),
+    "chat": Workload("chat", 16, (16_384, 262_144), (1.0, 2.0)),
+    "zipf_prefix": Workload("zipf_prefix", 16, (16_384, 262_144), (1.0, 2.0)),
+}
+
+
+def shapes_for(w: Workload, rate: float, limit: int, seed: int) -> list[RequestShape]:
+    """The simulator shapes of workload ``w`` at ``rate`` times its base arrival rate."""
+    spec = HashSpec(block_size=w.block_size, model="sweep")
+    if w.name == "mooncake":
+        records = load_trace(TRACE, limit=limit, time_scale=1.0 / rate)
+        return list(TraceChains(spec, TraceTokens(seed=seed)).shapes(records))
+    args = SimpleNamespace(
+        workload="chat" if w.name == "chat" else "shared-prefix",
+        users=128,
+        turns=4,
+        system_tokens=1000 if w.name == "chat" else 3000,
+        question_tokens=64,
+        answer_tokens=128 if w.name == "chat" else 32,
+        think_time_s=3.0,
+        arrival_rate=2.0 * rate if w.name == "chat" else 16.0 * rate,
+        groups=24,
+        prompts_per_group=32,
+        zipf=1.1,
+        seed=seed,
+    )
+    return conversation_shapes(synthetic_workload(args), spec)
+
+
+def run_cell(
+    w: Workload, shapes: Sequence[RequestShape], workers: int, capacity: int
+) -> dict[str, dict[str, float]]:
+    out = {}
+    for policy in SIM_POLICIES:
+        cfg = SimConfig(
+            workers=workers, block_size=w.block_size, capacity_tokens=capacity, policy=policy
+        )
+        r = run_policy(cfg, shapes, progress=False)
+        out[policy] = {k: r[k] for k in ("hit_rate", "ttft_p50_s", "ttft_p99_s", "load_cov")}
+    return out
+
+
+def margins(cell: dict[str, dict[str, float]], hit_tol: float, p99_tol: float) -> dict[str, Any]:
+    """kvroute against the best baseline on hit rate and on TTFT p99 in one cell."""
+    kv = cell["kvroute"]
+    best_hit = max(BASELINES, key=lambda p: cell[p]["hit_rate"])
+    best_p99 = min(BASELINES, key=lambda p: cell[p]["ttft_p99_s"])
+    hit_margin = kv["hit_rate"] - cell[best_hit]["hit_rate"]
+    p99_ratio = kv["ttft_p99_s"] / cell[best_p99]["ttft_p99_s"]
+    return {
+        "hit_margin": hit_margin,
+        "best_hit_baseline": best_hit,
+        "p99_ratio": p99_ratio,
+        "best_p99_baseline": best_p99,
+        "passes": hit_margin >= -hit_tol and p99_ratio <= 1.0 + p99_tol,
+    }
+
+
+def sweep(args: argparse.Namespace) -> dict[str, Any]:
+    cells = []
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    sizes = [int(s) for s in args.fleet_sizes.split(",")]
+    for name in names:
+        w = WORKLOADS[name]
+        for rate in w.rates:
+            shapes = shapes_for(w, rate, args.limit, args.seed)
+            for workers, capacity in itertools.product(sizes, w.capacities):
+                t0 = time.perf_counter()
+                cell = run_cell(w, shapes, workers, capacity)
+                row = {
+                    "workload": name,
+                    "rate": rate,
+                    "workers": workers,
+                    "capacity_tokens": capacity,
+                    "requests": len(shapes),
+                    "policies": cell,
+                    **margins(cell, args.hit_tolerance, args.p99_tolerance),
+                }
+                cells.append(row)
+                logger.info(
+                    "%s x%.0f %d workers %d tokens: hit %+.4f (%s), p99 x%.3f (%s) %.0fs",
+                    name,
+                    rate,
+                    workers,
+                    capacity,
+                    row["hit_margin"],
+                    row["best_hit_baseline"],
+                    row["p99_ratio"],
+                    row["best_p99_baseline"],
+                    time.perf_counter() - t0,
+                )
+    return {
+        "cells": cells,
+        "hit_tolerance": args.hit_tolerance,
+        "p99_tolerance": args.p99_tolerance,
+        "cells_passing": sum(c["passes"] for c in cells),
+        "cells_total": len(cells),
+        "target_met": all(c["passes"] for c in cells),
+        "command": "python -m loadtest.sweep " + " ".join(args.argv),
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The sweep as a table: one row per cell, kvroute's margins against the best baseline."""
+    lines = [
+        "| workload | rate | workers | capacity/worker | kvroute hit | best baseline hit "
+        "| hit margin | kvroute p99 | best baseline p99 | p99 ratio | pass |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in result["cells"]:
+        p = c["policies"]
+        bh, bp = c["best_hit_baseline"], c["best_p99_baseline"]
+        lines.append(
+            f"| {c['workload']} | x{c['rate']:g} | {c['workers']} | {c['capacity_tokens']:,} "
+            f"| {p['kvroute']['hit_rate']:.4f} | {p[bh]['hit_rate']:.4f} ({bh}) "
+            f"| {c['hit_margin']:+.4f} | {_s(p['kvroute']['ttft_p99_s'])} "
+            f"| {_s(p[bp]['ttft_p99_s'])} ({bp}) | {c['p99_ratio']:.3f} "
+            f"| {'yes' if c['passes'] else '**no**'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _s(seconds: float) -> str:
+    return "nan" if math.isnan(seconds) else f"{seconds:.2f} s"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.sweep", description=__doc__)
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--fleet-sizes", default=",".join(str(s) for s in FLEET_SIZES))
+    p.add_argument("--limit", type=int, default=3000, help="Mooncake requests replayed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hit-tolerance", type=float, default=0.005)
+    p.add_argument("--p99-tolerance", type=float, default=0.05)
+    p.add_argument("--json", type=Path, help="write the full result here")
+    p.add_argument("--markdown", type=Path, help="write the table here")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    result = sweep(args)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(markdown(result))
+    summary = {k: v for k, v in result.items() if k != "cells"}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
