@@ -26,6 +26,7 @@ import json
 import re
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -34,7 +35,8 @@ from gateway.edge.app_keys import STATE, TENANT, GatewayState
 from gateway.edge.auth import ANONYMOUS, Tenant
 from gateway.edge.relay import Relay
 from gateway.observe.access_log import note_request, observe_finished
-from gateway.routing.dispatch import Job
+from gateway.routing.dispatch import Candidates, Dispatcher, Job, Stream
+from gateway.routing.router import Decision
 from gateway.text.prefix_tokens import Prompt
 from gateway.upstream.base import Generation
 from openai_api.errors import APIError
@@ -93,16 +95,19 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
         await relay.start_sse(request, decision.worker_id, decision.reason)
     # 8. open
     try:
-        stream = await d.open(job, candidates, cached, decision)
+        streams = await open_choices(d, job, candidates, cached, decision, s.n)
     except APIError as exc:
         if not s.stream:
             raise
         return await relay.fail_sse(exc)
-    relay.attach(stream)
+    stream = streams[0]
+    relay.attach(streams)
     # 9. relay
     try:
         resp = await (relay.sse() if s.stream else relay.json_body())
     finally:
+        for other in streams[1:]:
+            other.close(None)
         stream.close(relay.cached_tokens)
         observe_finished(
             request, state.metrics, stream, relay.completion_tokens, relay.cached_tokens
@@ -110,6 +115,41 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     if isinstance(req, ChatRequest):
         state.spawn(state.tokenizer.remember_answer(req.messages, relay.detok.output_text))
     return resp
+
+
+async def open_choices(
+    d: Dispatcher,
+    job: Job,
+    candidates: Candidates,
+    cached: dict[str, int],
+    decision: Decision,
+    n: int,
+) -> list[Stream]:
+    """The first choice's stream as routed; with ``n`` > 1 the others on the same worker.
+
+    They are opened once the first produced its first token, so its prompt blocks are
+    cached there and the other choices only compute the last, partial block.
+    """
+    streams = [await d.open(job, candidates, cached, decision)]
+    first = streams[0]
+    pinned = Decision(
+        first.worker_id, first.reason, first.predicted_cached_tokens, (first.worker_id,)
+    )
+    try:
+        for i in range(1, n):
+            seed = job.generation.seed
+            generation = replace(
+                job.generation,
+                request_id=f"{job.request_id}-{i}",
+                seed=None if seed is None else (seed + i) % 2**64,
+            )
+            choice = replace(job, request_id=generation.request_id, generation=generation)
+            streams.append(await d.open(choice, candidates, cached, pinned))
+    except BaseException:
+        for st in streams:
+            st.close(None)
+        raise
+    return streams
 
 
 async def read_json(request: web.Request) -> Any:

@@ -85,7 +85,7 @@ OPTIONS: dict[str, Option] = {
         "include_usage (a final usage chunk); continuous_usage_stats (usage in every chunk)",
     ),
     "user": (SUPPORTED, BOTH, _absent, "the session key when X-Session-ID is absent"),
-    "n": (UNSUPPORTED, BOTH, _one, "only n=1"),
+    "n": (SUPPORTED, BOTH, _one, "up to 16 choices on one worker, sharing the prompt blocks"),
     "chat_template_kwargs": (SUPPORTED, CHAT, _absent, "passed to the chat template"),
     "add_generation_prompt": (SUPPORTED, CHAT, _absent, "default true"),
     "cache_salt": (

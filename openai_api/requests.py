@@ -23,6 +23,7 @@ from openai_api.options import reject_unsupported
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 1024  # per stop string: the detokenizer holds back this much text
 MAX_MESSAGES = 4096  # per chat request: parsing and templating stay short on the loop
+MAX_CHOICES = 16  # n: choices per request
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
@@ -33,6 +34,7 @@ class SamplingRequest:
     """Options shared by chat and text completions."""
 
     model: str  # "" when the body names none: the front's served model
+    n: int = 1  # choices, each its own generation sharing the prompt's blocks
     max_tokens: int | None = None  # None: whatever the context leaves
     temperature: float = 1.0
     top_p: float = 1.0
@@ -128,7 +130,7 @@ def parse_sampling(
         model = ""  # as in vLLM: the served model
     elif not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
-    _int(body, "n", 1)
+    n = _int(body, "n", 1, MAX_CHOICES) or 1
     max_tokens = _int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1)
@@ -170,6 +172,7 @@ def parse_sampling(
         raise _bad("'cache_salt' must be a string", "cache_salt")
     return SamplingRequest(
         model=model,
+        n=n,
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,

@@ -15,27 +15,33 @@ def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     }
 
 
-def chat_response(
-    rid: str,
-    model: str,
-    text: str,
-    finish: str,
-    usage: dict[str, Any],
-    logprobs: dict[str, Any] | None = None,
+def chat_choice(
+    index: int, text: str, finish: str, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish,
+    }
+
+
+def completion_choice(
+    index: int, text: str, finish: str, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def chat_response(
+    rid: str, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
+) -> dict[str, Any]:
+    """A chat completion; ``choices`` from ``chat_choice``."""
     return {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-        ],
+        "choices": choices,
         "usage": usage,
     }
 
@@ -71,11 +77,12 @@ def chat_chunk(
     usage: dict[str, Any] | None = None,
     with_usage_field: bool = False,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     choice = (
         None
         if delta is None
-        else {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     )
     return _stream_chunk(
         rid, "chat.completion.chunk", model, created, choice, usage, with_usage_field
@@ -83,19 +90,15 @@ def chat_chunk(
 
 
 def completion_response(
-    rid: str,
-    model: str,
-    text: str,
-    finish: str,
-    usage: dict[str, Any],
-    logprobs: dict[str, Any] | None = None,
+    rid: str, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
 ) -> dict[str, Any]:
+    """A text completion; ``choices`` from ``completion_choice``."""
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": choices,
         "usage": usage,
     }
 
@@ -109,10 +112,11 @@ def completion_chunk(
     usage: dict[str, Any] | None = None,
     with_usage_field: bool = False,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     choice = (
         None
         if text is None
-        else {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        else {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     )
     return _stream_chunk(rid, "text_completion", model, created, choice, usage, with_usage_field)

@@ -35,7 +35,7 @@ _SAMPLING: dict[str, Any] = {
     "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1},
     "top_p": {"type": "number", "minimum": 0, "maximum": 1, "default": 1},
     "seed": {"type": "integer"},
-    "n": {"type": "integer", "enum": [1]},
+    "n": {"type": "integer", "minimum": 1, "maximum": 16, "default": 1},
     "top_k": {"type": "integer", "minimum": -1},
     "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
     "ignore_eos": {"type": "boolean", "default": False},

@@ -1,4 +1,4 @@
-"""The last step of a request: a worker's token stream relayed to the client as text.
+"""The last step of a request: the workers' token streams relayed to the client as text.
 
 One JSON body, or server-sent events ending in ``data: [DONE]``. Stop strings
 are matched here (``openai_api.detokenizer``); a match, or a client that goes
@@ -7,10 +7,15 @@ stream's status line and headers go out as soon as the request is routed
 (``start_sse``), before the worker's first token, as vLLM sends them: a client
 queued on a busy worker is not left without headers. A failure after that is
 reported in-band, as vLLM does.
+
+A request with ``n`` > 1 has one stream per choice (all on one worker); each
+choice has its own detokenizer, and their chunks are interleaved as they come,
+each with its ``index``. Usage counts the prompt once and every choice's tokens.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -23,11 +28,19 @@ from gateway.routing.dispatch import Job, Stream
 from gateway.upstream.base import Chunk, UpstreamError
 from openai_api.detokenizer import Detokenizer
 from openai_api.errors import APIError
-from openai_api.logprobs import TokenLogprobs, chat_logprobs, completion_logprobs, decoder
+from openai_api.logprobs import (
+    Decode,
+    TokenLogprobs,
+    chat_logprobs,
+    completion_logprobs,
+    decoder,
+)
 from openai_api.requests import SamplingRequest
 from openai_api.responses import (
+    chat_choice,
     chat_chunk,
     chat_response,
+    completion_choice,
     completion_chunk,
     completion_response,
     usage_dict,
@@ -40,36 +53,21 @@ def route_headers(worker_id: str, reason: str) -> dict[str, str]:
     return {"x-kvroute-worker": worker_id, "x-kvroute-reason": reason}
 
 
-class Relay:
-    """Turns one worker stream into text, tracking usage as the worker reports it."""
+class _Choice:
+    """One choice's stream, text and logprobs."""
 
     def __init__(
-        self, tokenizer: Any, model: str, job: Job, s: SamplingRequest, chat: bool
+        self, index: int, stream: Stream, tokenizer: Any, s: SamplingRequest, chat: bool
     ) -> None:
+        self.index = index
+        self.stream = stream
         self.s = s
         self.chat = chat
-        self.model = model
-        self.rid = job.request_id
-        self.prompt_tokens = len(job.prompt_ids)
-        self.detok = Detokenizer(tokenizer, job.prompt_ids, s.stop)
+        self.detok = Detokenizer(tokenizer, stream.job.prompt_ids, s.stop)
         self.completion_tokens = 0
         self.cached_tokens: int | None = None
-        self._stream: Stream | None = None
-        self._resp: web.StreamResponse | None = None
-        self._created = int(time.time())
         self._lp_pending: list[TokenLogprobs] = []
-        self._decode = decoder(tokenizer)
-        self._sent_chars = 0  # text already streamed (completions' text_offset)
-
-    @property
-    def stream(self) -> Stream:
-        if self._stream is None:
-            raise RuntimeError("the relay has no worker stream yet")
-        return self._stream
-
-    def attach(self, stream: Stream) -> None:
-        """The worker stream to relay (once ``Dispatcher.open`` returned it)."""
-        self._stream = stream
+        self._sent_chars = 0  # text already sent (completions' text_offset)
 
     def _take(self, chunk: Chunk) -> str:
         self.completion_tokens += len(chunk.token_ids)
@@ -79,15 +77,15 @@ class Relay:
             self._lp_pending.extend(chunk.logprobs)
         return self.detok.push(chunk.token_ids)
 
-    def _logprobs(self, text_offset: int) -> dict[str, Any] | None:
-        """The logprobs object of the tokens taken since the last call (None if not asked)."""
+    def logprobs(self, decode: Decode, text: str) -> dict[str, Any] | None:
+        """The logprobs of the tokens taken since the last call (None if not asked or none)."""
         if self.s.logprobs is None:
             return None
         items, self._lp_pending = self._lp_pending, []
-        top = self.s.logprobs
+        offset, self._sent_chars = self._sent_chars, self._sent_chars + len(text)
         if self.chat:
-            return chat_logprobs(items, self._decode, top)
-        return completion_logprobs(items, self._decode, top, text_offset)
+            return chat_logprobs(items, decode, self.s.logprobs)
+        return completion_logprobs(items, decode, self.s.logprobs, offset)
 
     async def events(self) -> AsyncIterator[tuple[str, str | None]]:
         """Yields (text delta, finish reason or None) until the generation ends."""
@@ -105,20 +103,70 @@ class Relay:
             chunk = await self.stream.next()
         raise APIError(502, "the worker ended the stream without finishing", code="worker_error")
 
+
+class Relay:
+    """Turns the worker streams of one request into text, tracking usage as workers report it."""
+
+    def __init__(
+        self, tokenizer: Any, model: str, job: Job, s: SamplingRequest, chat: bool
+    ) -> None:
+        self.s = s
+        self.chat = chat
+        self.model = model
+        self.rid = job.request_id
+        self.prompt_tokens = len(job.prompt_ids)
+        self._tokenizer = tokenizer
+        self._decode = decoder(tokenizer)
+        self._choices: list[_Choice] = []
+        self._resp: web.StreamResponse | None = None
+        self._created = int(time.time())
+
+    def attach(self, streams: list[Stream]) -> None:
+        """The worker streams to relay, one per choice (once ``Dispatcher.open`` returned them)."""
+        self._choices = [
+            _Choice(i, st, self._tokenizer, self.s, self.chat) for i, st in enumerate(streams)
+        ]
+
+    @property
+    def stream(self) -> Stream:
+        """The first choice's stream (the one routing chose)."""
+        if not self._choices:
+            raise RuntimeError("the relay has no worker stream yet")
+        return self._choices[0].stream
+
+    @property
+    def detok(self) -> Detokenizer:
+        """The first choice's text (the answer a follow-up turn resends)."""
+        return self._choices[0].detok
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self._choices)
+
+    @property
+    def cached_tokens(self) -> int | None:
+        return self._choices[0].cached_tokens if self._choices else None
+
     def usage(self) -> dict[str, Any]:
         return usage_dict(self.prompt_tokens, self.completion_tokens, self.cached_tokens or 0)
 
     async def json_body(self) -> web.Response:
-        parts: list[str] = []
-        finish = "stop"
-        try:
-            async for delta, reason in self.events():
+        async def collect(c: _Choice) -> dict[str, Any]:
+            parts: list[str] = []
+            finish = "stop"
+            async for delta, reason in c.events():
                 parts.append(delta)
                 finish = reason or finish
+            text = "".join(parts)
+            build = chat_choice if self.chat else completion_choice
+            return build(c.index, text, finish, c.logprobs(self._decode, ""))
+
+        try:
+            choices = list(await asyncio.gather(*(collect(c) for c in self._choices)))
         except UpstreamError as exc:
             raise exc.api_error from exc
         build = chat_response if self.chat else completion_response
-        body = build(self.rid, self.model, "".join(parts), finish, self.usage(), self._logprobs(0))
+        body = build(self.rid, self.model, choices, self.usage())
         return web.json_response(
             body, headers=route_headers(self.stream.worker_id, self.stream.reason)
         )
@@ -129,21 +177,17 @@ class Relay:
     def _usage_field(self) -> bool:
         return self.s.include_usage or self.s.continuous_usage_stats
 
-    def _chunk(self, delta: str | None, finish: str | None) -> dict[str, Any]:
+    def _chunk(self, c: _Choice, delta: str, finish: str | None) -> dict[str, Any]:
         # continuous_usage_stats: every chunk carries the usage so far (vLLM's extension).
         usage = self.usage() if self.s.continuous_usage_stats else None
-        lps = self._logprobs(self._sent_chars)
+        lps = c.logprobs(self._decode, delta)
         if lps is not None and not (lps.get("content") or lps.get("tokens")):
             lps = None  # nothing new since the last chunk
-        self._sent_chars += len(delta or "")
+        args = (usage, self._usage_field, lps, c.index)
         if not self.chat:
-            return completion_chunk(
-                self.rid, self.model, self._created, delta, finish, usage, self._usage_field, lps
-            )
-        d = None if delta is None else ({"content": delta} if delta else {})
-        return chat_chunk(
-            self.rid, self.model, self._created, d, finish, usage, self._usage_field, lps
-        )
+            return completion_chunk(self.rid, self.model, self._created, delta, finish, *args)
+        d = {"content": delta} if delta else {}
+        return chat_chunk(self.rid, self.model, self._created, d, finish, *args)
 
     async def _send(self, obj: dict[str, Any]) -> None:
         if self._resp is None:
@@ -153,7 +197,7 @@ class Relay:
     async def start_sse(
         self, request: web.Request, worker_id: str, reason: str
     ) -> web.StreamResponse:
-        """Sends the status line, the routing headers and the chat role chunk.
+        """Sends the status line, the routing headers and the chat role chunk(s).
 
         Called once the router chose ``worker_id``; if that worker fails before its
         first token and another one serves, the headers still name the first choice.
@@ -168,13 +212,22 @@ class Relay:
         await resp.prepare(request)
         self._resp = resp
         if self.chat:
-            role = {"role": "assistant", "content": ""}
             usage = self.usage() if self.s.continuous_usage_stats else None
-            await self._send(
-                chat_chunk(
-                    self.rid, self.model, self._created, role, None, usage, self._usage_field
+            for i in range(self.s.n):
+                role = {"role": "assistant", "content": ""}
+                await self._send(
+                    chat_chunk(
+                        self.rid,
+                        self.model,
+                        self._created,
+                        role,
+                        None,
+                        usage,
+                        self._usage_field,
+                        None,
+                        i,
+                    )
                 )
-            )
         return resp
 
     async def fail_sse(self, err: APIError) -> web.StreamResponse:
@@ -184,22 +237,48 @@ class Relay:
         return await self._done()
 
     async def sse(self) -> web.StreamResponse:
-        """Relays the attached stream as events after ``start_sse``."""
+        """Relays the attached streams as events after ``start_sse``."""
+        queue: asyncio.Queue[tuple[_Choice, str, str | None] | BaseException | None] = (
+            asyncio.Queue()
+        )
+
+        async def pump(c: _Choice) -> None:
+            try:
+                async for delta, finish in c.events():
+                    await queue.put((c, delta, finish))
+                await queue.put(None)
+            except (UpstreamError, APIError) as exc:
+                await queue.put(exc)
+
+        tasks = [asyncio.create_task(pump(c)) for c in self._choices]
         try:
-            async for delta, finish in self.events():
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    err = item.api_error if isinstance(item, UpstreamError) else item
+                    if not isinstance(err, APIError):
+                        raise item
+                    logger.warning(
+                        "request %s on worker %s failed mid-stream: %s",
+                        self.rid,
+                        self.stream.worker_id,
+                        err.message,
+                    )
+                    await self._send(err.body())
+                    break
+                c, delta, finish = item
                 if delta:
-                    await self._send(self._chunk(delta, None))
+                    await self._send(self._chunk(c, delta, None))
                 if finish is not None:
-                    await self._send(self._chunk("", finish))
-        except (UpstreamError, APIError) as exc:
-            err = exc.api_error if isinstance(exc, UpstreamError) else exc
-            logger.warning(
-                "request %s on worker %s failed mid-stream: %s",
-                self.rid,
-                self.stream.worker_id,
-                err.message,
-            )
-            await self._send(err.body())
+                    await self._send(self._chunk(c, "", finish))
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         return await self._done()
 
     async def _done(self) -> web.StreamResponse:

@@ -146,7 +146,7 @@ async def test_metrics_names(gateway: Harness) -> None:
     [
         ({"model": MODEL, "messages": HELLO, "temperature": "hot"}, 400, "temperature"),
         ({"model": MODEL, "messages": HELLO, "max_tokens": 0}, 400, "max_tokens"),
-        ({"model": MODEL, "messages": HELLO, "n": 2}, 400, "n"),
+        ({"model": MODEL, "messages": HELLO, "n": 17}, 400, "n"),
         ({"model": MODEL, "messages": "hi"}, 400, "messages"),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": 5}]},

@@ -16,7 +16,6 @@ HELLO = [{"role": "user", "content": "Hello"}]
 
 # (endpoint, option values) a client may send that this server does not implement.
 UNSUPPORTED_CASES: list[tuple[str, dict[str, Any]]] = [
-    ("chat", {"n": 2}),
     ("chat", {"min_tokens": 3}),
     ("chat", {"guided_json": {"type": "object"}}),
     ("completion", {"include_stop_str_in_output": True}),
@@ -45,7 +44,6 @@ UNSUPPORTED_CASES: list[tuple[str, dict[str, Any]]] = [
     ("completion", {"echo": True}),
     ("completion", {"best_of": 2}),
     ("completion", {"suffix": "end"}),
-    ("completion", {"n": 3}),
 ]
 
 
@@ -146,6 +144,7 @@ async def test_invalid_sampling_options_are_400_naming_them(gateway: Harness) ->
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"min_p": 1.5}, "min_p"),
+        ({"n": 17}, "n"),
     ):
         with pytest.raises(openai.BadRequestError) as err:
             await client.chat.completions.create(
@@ -263,3 +262,38 @@ async def test_openapi_lists_every_option_with_its_status(gateway: Harness) -> N
     assert chat["tools"]["x-kvroute-support"] == UNSUPPORTED
     assert chat["store"]["x-kvroute-support"] == "ignored"
     assert "/v1/models/{model}" in spec["paths"]
+
+
+async def test_n_choices_go_to_one_worker_after_the_first_token(gateway: Harness) -> None:
+    worker, _ = await gateway.add_worker("w1", "a b c", delay_s=0.05)
+    await gateway.add_worker("w2", "a b c", delay_s=0.05)
+    client = _sdk(gateway)
+    out = await client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=8, n=3, seed=7, temperature=0.8
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert all(c.message.content == "a b c" for c in out.choices)
+    reqs = worker.requests or gateway.workers["w2"][0].requests
+    assert len(reqs) == 3 and len(worker.requests) in (0, 3)  # all on one worker
+    rid = reqs[0].request_id
+    assert [r.request_id for r in reqs] == [rid, f"{rid}-1", f"{rid}-2"]
+    assert [r.sampling.seed for r in reqs] == [7, 8, 9]  # a different draw per choice
+    assert out.usage.completion_tokens == 3 * 4  # "a b c" + <|im_end|>, three times
+    stream = await client.completions.create(
+        model=MODEL,
+        prompt="Hi",
+        max_tokens=8,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts = {0: "", 1: ""}
+    finished = set()
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finished.add(c.index)
+        if not chunk.choices:
+            assert chunk.usage is not None and chunk.usage.completion_tokens == 2 * 4
+    assert texts == {0: "a b c", 1: "a b c"} and finished == {0, 1}

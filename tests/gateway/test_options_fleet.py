@@ -182,3 +182,29 @@ def test_penalties_and_logit_bias_change_greedy_output_as_specified(pair: Pair, 
         expected, _ = _hf_steps(hf, PROMPT, 8, rule)
         assert expected != plain, options  # the option matters on this prompt
         assert complete(**options) == text(expected), options
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+def test_n_choices_share_the_prompt_blocks(pair: Pair) -> None:
+    worker_url = f"http://127.0.0.1:{pair.worker.extra['http_port']}"
+    prompt = [7 + (i * 37) % 4000 for i in range(70)]  # 4 full blocks of 16, never seen
+    before = _metric(worker_url, "kvroute_worker_cached_prompt_tokens_total")
+    out = pair.client().completions.create(
+        model=pair.name, prompt=prompt, max_tokens=6, n=3, temperature=1.0, seed=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.usage.prompt_tokens == 70 and out.usage.completion_tokens == 18
+    assert len({c.text for c in out.choices}) > 1  # seeds differ per choice
+    # The first choice computed the prompt; the other two found its 4 full blocks cached.
+    after = _metric(worker_url, "kvroute_worker_cached_prompt_tokens_total")
+    assert after - before == 2 * 64

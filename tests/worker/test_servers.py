@@ -463,7 +463,7 @@ async def test_tokenize_render_and_helper_endpoints(stack: Stack) -> None:
     ("path", "payload", "param"),
     [
         ("/v1/chat/completions", {"messages": "hi"}, "messages"),
-        ("/v1/chat/completions", {"messages": CHAT, "n": 2}, "n"),
+        ("/v1/chat/completions", {"messages": CHAT, "n": 17}, "n"),
         ("/v1/chat/completions", {"messages": CHAT, "stop": 5}, "stop"),
         ("/v1/completions", {"prompt": ""}, "prompt"),
         ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
@@ -693,3 +693,22 @@ def test_kvroute_worker_command_serves_registers_and_deregisters_on_sigterm(
             proc.kill()
             proc.wait()
         client.close()
+
+
+async def test_http_front_serves_n_choices_and_logprobs(stack: Stack) -> None:
+    args: dict = dict(
+        model="tiny", prompt="a b c d", max_tokens=4, n=2, temperature=1.0, seed=5,
+        logprobs=1, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    out = await stack.openai.completions.create(**args)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.completion_tokens == 8
+    for c in out.choices:
+        lp = c.logprobs
+        assert lp is not None and len(lp.token_logprobs) == 4 and "".join(lp.tokens) == c.text
+        assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) == 1 for t in lp.top_logprobs)
+    texts = {0: "", 1: ""}
+    async for chunk in await stack.openai.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == {0: out.choices[0].text, 1: out.choices[1].text}  # same seeds, same draws

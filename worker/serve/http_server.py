@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
@@ -154,6 +154,7 @@ class Job:
     include_usage: bool
     continuous_usage: bool  # stream_options.continuous_usage_stats: usage in every chunk
     cache_salt: str
+    n: int = 1  # choices: one engine request each (the others after the first's first token)
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -267,6 +268,7 @@ async def _parse_job(request: web.Request, kind: str) -> Job:
         stream=sampling.stream,
         include_usage=sampling.include_usage,
         continuous_usage=sampling.continuous_usage_stats,
+        n=sampling.n,
         cache_salt=(sampling.cache_salt or "") if info.trust_body_salt else "",
     )
 
@@ -349,17 +351,18 @@ def _choice(
     stream: bool,
     first: bool = False,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     if job.kind == "completion":
         return {
-            "index": 0,
+            "index": index,
             "text": text or "",
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
     if not stream:
         return {
-            "index": 0,
+            "index": index,
             "message": {"role": "assistant", "content": text},
             "logprobs": logprobs,
             "finish_reason": finish_reason,
@@ -369,35 +372,70 @@ def _choice(
         delta["role"] = "assistant"
     if text is not None:
         delta["content"] = text
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _nth_choice(job: Job, i: int) -> Job:
+    """Choice ``i`` of an ``n`` > 1 request: its own engine request id and seed."""
+    seed = job.params.seed
+    params = replace(job.params, seed=None if seed is None else (seed + i) % 2**64)
+    return replace(job, request_id=f"{job.request_id}-{i}", params=params)
+
+
+def _usage(runs: list[_Run]) -> dict[str, Any]:
+    """The prompt once, every choice's generated tokens."""
+    first = runs[0]
+    completion = sum(r.completion_tokens for r in runs)
+    return usage_dict(first.prompt_tokens, completion, first.cached_tokens)
+
+
+async def _collect(runs: list[_Run]) -> list[str]:
+    """Every choice's whole text; the others start once the first has its first token,
+    so its prompt blocks are cached and shared."""
+    gens = [r.deltas() for r in runs[:1]]
+    try:
+        first = await anext(gens[0], "")
+        gens += [r.deltas() for r in runs[1:]]
+
+        async def rest(g: Any) -> str:
+            return "".join([d async for d in g])
+
+        texts = list(await asyncio.gather(*(rest(g) for g in gens)))
+    finally:
+        for g in gens:
+            await g.aclose()
+    texts[0] = first + texts[0]
+    return texts
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     job = await _parse_job(request, kind)
-    run = _Run(request, job)
+    runs = [_Run(request, job)] + [_Run(request, _nth_choice(job, i)) for i in range(1, job.n)]
     info = request.app[INFO]
     created = int(time.time())
     obj = "chat.completion" if kind == "chat" else "text_completion"
     logger.debug("request %s: %d prompt tokens", job.request_id, len(job.prompt_ids))
     if not job.stream:
-        parts = [delta async for delta in run.deltas()]
-        text = "".join(parts)
+        texts = await _collect(runs)
+        choices = [
+            _choice(
+                r.job,
+                text,
+                r.finish_reason,
+                stream=False,
+                logprobs=r.take_logprobs(text),
+                index=i,
+            )
+            for i, (r, text) in enumerate(zip(runs, texts, strict=True))
+        ]
         return web.json_response(
             {
                 "id": job.request_id,
                 "object": obj,
                 "created": created,
                 "model": info.model_name,
-                "choices": [
-                    _choice(
-                        job,
-                        text,
-                        run.finish_reason,
-                        stream=False,
-                        logprobs=run.take_logprobs(text),
-                    )
-                ],
-                "usage": run.usage_body(),
+                "choices": choices,
+                "usage": _usage(runs),
                 "worker_id": info.worker_id,
             }
         )
@@ -413,12 +451,36 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             "choices": choices,
         }
         if job.continuous_usage:
-            body["usage"] = usage or run.usage_body()
+            body["usage"] = usage or _usage(runs)
         elif job.include_usage:
             body["usage"] = usage
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
-    deltas = run.deltas()
+    async def relay(i: int, run: _Run, deltas: Any, first_delta: str | None) -> None:
+        """One choice's chunks (choices of an n > 1 stream follow one another)."""
+        if kind == "chat":
+            await response.write(event([_choice(job, "", None, stream=True, first=True, index=i)]))
+        if first_delta is not None:
+            lps = run.take_logprobs(first_delta)
+            await response.write(
+                event([_choice(job, first_delta, None, stream=True, logprobs=lps, index=i)])
+            )
+            async for delta in deltas:
+                lps = run.take_logprobs(delta)
+                await response.write(
+                    event([_choice(job, delta, None, stream=True, logprobs=lps, index=i)])
+                )
+        final = _choice(
+            job,
+            None if kind == "chat" else "",
+            run.finish_reason,
+            stream=True,
+            logprobs=run.take_logprobs(None) if job.params.logprobs is not None else None,
+            index=i,
+        )
+        await response.write(event([final]))
+
+    deltas = runs[0].deltas()
     try:
         # Pull the first delta before committing to a 200, so bad input still gets a 400.
         first_delta = await anext(deltas, None)
@@ -427,28 +489,13 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         )
         await response.prepare(request)
         try:
-            if kind == "chat":
-                await response.write(event([_choice(job, "", None, stream=True, first=True)]))
-            if first_delta is not None:
-                lps = run.take_logprobs(first_delta)
-                await response.write(
-                    event([_choice(job, first_delta, None, stream=True, logprobs=lps)])
-                )
-                async for delta in deltas:
-                    lps = run.take_logprobs(delta)
-                    await response.write(
-                        event([_choice(job, delta, None, stream=True, logprobs=lps)])
-                    )
-            final = _choice(
-                job,
-                None if kind == "chat" else "",
-                run.finish_reason,
-                stream=True,
-                logprobs=run.take_logprobs(None) if run.job.params.logprobs is not None else None,
-            )
-            await response.write(event([final]))
+            await relay(0, runs[0], deltas, first_delta)
+            for i, run in enumerate(runs[1:], start=1):
+                await deltas.aclose()
+                deltas = run.deltas()
+                await relay(i, run, deltas, await anext(deltas, None))
             if job.include_usage:
-                await response.write(event([], run.usage_body()))
+                await response.write(event([], _usage(runs)))
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception as exc:  # the status line is sent: report in-band, as vLLM does
