@@ -277,7 +277,9 @@ class Router:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
+                self._log.flush()
+                tail = Path(self._log.name).read_text(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {tail}")
             try:
                 out = asyncio.run(_load(self.url, [body], 1, 0.01))
                 if out["latencies_ms"]:
@@ -307,14 +309,16 @@ def _router_cmd(name: str, port: int, redis_url: str, ns: str, urls: list[str]) 
         ]
     bin_dir = ensure_peer_venv(PeersConfig())
     policy = "round_robin" if name.endswith("_rr") else "cache_aware"
+    # Every router runs at once (rounds interleave), so each gets its own metrics port.
+    metrics = ("--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()))
     if name.startswith("sglang"):
         return [
             *(str(bin_dir / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port)),
-            *("--worker-urls", *urls, "--policy", policy, "--log-level", "warn"),
+            *("--worker-urls", *urls, "--policy", policy, "--log-level", "warn", *metrics),
         ]
     return [
         *(str(bin_dir / "vllm-router"), "--host", "127.0.0.1", "--port", str(port)),
-        *("--worker-urls", *urls, "--policy", policy, "--log-level", "warning"),
+        *("--worker-urls", *urls, "--policy", policy, "--log-level", "warning", *metrics),
     ]
 
 
