@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -198,7 +199,16 @@ async def serve(config: GatewayConfig) -> None:
     )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        if exc.errno == errno.EADDRINUSE:
+            raise StartupError(
+                f"port {config.port} on {config.host} is in use (another gateway, or a "
+                "worker's HTTP front?): stop it or pick another with --port"
+            ) from exc
+        raise StartupError(f"cannot listen on {config.host}:{config.port}: {exc}") from exc
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -220,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvroute gateway``; returns the exit status."""
     try:
         config = config_from_args(sys.argv[1:] if argv is None else argv)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         sys.stderr.write(f"kvroute gateway: {exc}\n")
         return 2
     logging.basicConfig(
@@ -235,9 +245,23 @@ def main(argv: list[str] | None = None) -> int:
         loop_factory = uvloop.new_event_loop
     except ImportError:
         logger.warning("uvloop not installed; using the default event loop")
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve(config))
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve(config))
+    except StartupError as exc:
+        sys.stderr.write(f"kvroute gateway: {exc}\n")
+        return 1
+    except (OSError, ValueError) as exc:
+        # Unreadable or malformed files (tokenizer, chat template, keys, CA): one line, the
+        # traceback only at --log-level debug.
+        logger.debug("start-up failed", exc_info=True)
+        sys.stderr.write(f"kvroute gateway: cannot start: {exc}\n")
+        return 1
     return 0
+
+
+class StartupError(RuntimeError):
+    """A reason the gateway cannot start that fits one line (port in use, ...)."""
 
 
 if __name__ == "__main__":

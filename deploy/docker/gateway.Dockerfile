@@ -28,8 +28,8 @@ ENV PATH=/opt/kvroute/bin:$PATH \
 # Numeric, so Kubernetes can verify runAsNonRoot.
 USER 10001:10001
 EXPOSE 8000
-# No curl in the slim image: Python itself probes /healthz.
+# No curl in the slim image: Python itself probes /health.
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
-  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('KVROUTE_PORT', '8000'), timeout=2)"]
+  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('KVROUTE_PORT', '8000'), timeout=2)"]
 ENTRYPOINT ["kvroute"]
 CMD ["gateway"]

@@ -1,10 +1,11 @@
 """The gateway's aiohttp application: ``create_app(config)`` wires every part together.
 
-Routes: the OpenAI endpoints (``gateway.edge.handlers``), ``/healthz``, ``/readyz``,
-``/metrics``, ``/openapi.json`` and the dashboard. Two middlewares: API-key
-authentication for ``/v1/*`` when a keys file is configured, and error
-shaping, so every failure reaches the client as an OpenAI error body. The
-index mirror runs as a background task owned by ``cleanup_ctx``.
+Routes: the OpenAI endpoints (``gateway.edge.handlers``), ``/health`` (liveness;
+``/healthz`` is the same), ``/readyz``, ``/metrics``, ``/openapi.json`` and the
+dashboard. Two middlewares: API-key authentication for ``/v1/*`` when a keys
+file is configured, and error shaping, so every failure reaches the client as
+an OpenAI error body; it also counts requests in flight and writes the access
+log line. The index mirror runs as a background task owned by ``cleanup_ctx``.
 """
 
 from __future__ import annotations
@@ -106,12 +107,26 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 async def _readyz(request: web.Request) -> web.Response:
+    """200 once the index mirror has loaded from Redis, with or without workers.
+
+    A gateway with no worker up stays ready on purpose: it answers each request
+    503 with the reason, where an unready pod would leave clients a refused
+    connection. ``healthy_workers`` in the body (and ``?workers=N``, which
+    answers 503 below N) is for scripts that wait for a fleet.
+    """
     state = request.app[STATE]
+    healthy = len(state.dispatcher.healthy())
+    loaded = state.mirror.redis_ok or state.mirror.has_snapshot
+    try:
+        want = int(request.query.get("workers", "0"))
+    except ValueError:
+        raise APIError(400, "workers must be an integer", param="workers") from None
     body = {
-        "ready": state.ready(),
+        "ready": loaded and healthy >= want,
+        "serving": state.ready(),
         "redis": state.mirror.redis_ok,
         "snapshot": state.mirror.has_snapshot,
-        "healthy_workers": len(state.dispatcher.healthy()),
+        "healthy_workers": healthy,
     }
     return web.json_response(body, status=200 if body["ready"] else 503)
 
@@ -250,6 +265,7 @@ def create_app(config: GatewayConfig, *, tokenizer: ChatTokenizer | None = None)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/v1/models/{model:.+}", handlers.model)
+    app.router.add_get("/health", _healthz)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

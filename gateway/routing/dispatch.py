@@ -221,7 +221,7 @@ class Dispatcher:
         if not entries:
             raise APIError(
                 503,
-                "no healthy worker is available",
+                "no healthy worker is available: " + self.mirror.no_worker_hint(),
                 code="no_workers",
                 headers={"Retry-After": "1"},
             )

@@ -280,7 +280,7 @@ def test_gateway_deployment_flags_probes_and_scaling() -> None:
     assert config["KVROUTE_POLICY"] == "kvroute" and config["KVROUTE_PORT"] == "8000"
     assert gateway["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert gateway["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
-    assert gateway["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert gateway["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert "replicas" not in deployment["spec"]  # the HPA owns it
     hpa = find(items, "HorizontalPodAutoscaler", "gateway").doc["spec"]
     assert hpa["scaleTargetRef"]["name"] == deployment["metadata"]["name"]

@@ -58,7 +58,7 @@ def test_image_runs_kvroute_as_non_root_with_healthcheck(component: str) -> None
     assert user not in ("root", "0") and user.isdigit(), "numeric non-root USER"
     healthcheck = _last(final, "HEALTHCHECK")
     assert "CMD" in healthcheck and not healthcheck.startswith("NONE")
-    probe = "/healthz" if component == "gateway" else "/health"
+    probe = "/health"  # the same liveness path on gateway and worker
     assert f"{probe}'" in healthcheck
     assert any(k == "COPY" and a.startswith("--from=build") for k, a in final)
 

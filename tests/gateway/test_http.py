@@ -90,9 +90,18 @@ async def test_completions_plain_and_stream(gateway: Harness) -> None:
 
 
 async def test_models_health_ready_openapi(gateway: Harness) -> None:
+    # Ready without a worker: each request gets a 503 that says why, where an unready
+    # pod would leave clients a refused connection; ?workers=1 is for scripts that wait.
+    await eventually(lambda: gateway.state.mirror.has_snapshot, what="index snapshot")
     resp = await gateway.client.get("/readyz")
-    assert resp.status == 503  # no worker yet
-    assert (await gateway.client.get("/healthz")).status == 200
+    body = await resp.json()
+    assert resp.status == 200 and body["healthy_workers"] == 0 and body["serving"] is False
+    assert (await gateway.client.get("/readyz?workers=1")).status == 503
+    for path in ("/health", "/healthz"):
+        assert (await gateway.client.get(path)).status == 200
+    resp = await gateway.chat(HELLO)
+    assert resp.status == 503
+    assert "no worker is registered in Redis" in (await resp.json())["error"]["message"]
     await gateway.add_worker("w1", max_model_len=1024)
     resp = await gateway.client.get("/readyz")
     assert resp.status == 200 and (await resp.json())["healthy_workers"] == 1

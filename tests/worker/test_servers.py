@@ -449,8 +449,9 @@ async def test_tokenize_render_and_helper_endpoints(stack: Stack) -> None:
         assert (await resp.json()) == {"token_ids": tok.encode("hi")}
     async with stack.http.get("/v1/models") as resp:
         assert [m["id"] for m in (await resp.json())["data"]] == ["tiny"]
-    async with stack.http.get("/health") as resp:
-        assert resp.status == 200
+    for path in ("/health", "/healthz", "/readyz"):  # the gateway's probe paths as well
+        async with stack.http.get(path) as resp:
+            assert resp.status == 200, path
     async with stack.http.get("/get_load") as resp:
         load = await resp.json()
     assert load["load"] == 0 and load["free_blocks"] == NUM_BLOCKS

@@ -114,6 +114,9 @@ def create_app(
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    # The gateway's probe paths too: one convention across the project.
+    app.router.add_get("/healthz", health)
+    app.router.add_get("/readyz", health)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/get_load", get_load)
     for path in ("/server_info", "/model_info", "/get_server_info", "/get_model_info"):
