@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import gc
 import logging
 import os
 import signal
@@ -198,6 +199,10 @@ async def serve(config: GatewayConfig) -> None:
         keepalive_timeout=config.client_idle_timeout_s,
     )
     await runner.setup()
+    # Tokenizer, chat template and index are loaded: keep them out of every later
+    # collection, so a full GC pass never stalls the loop on start-up objects.
+    gc.collect()
+    gc.freeze()
     site = web.TCPSite(runner, config.host, config.port)
     try:
         await site.start()

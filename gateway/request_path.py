@@ -53,6 +53,9 @@ MAX_SESSION_ID = 256  # characters of X-Session-ID (the ``user`` field is hashed
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _OFF_LOOP_BYTES = 256 * 1024  # bodies this large are decoded in the executor
 _OFF_LOOP_MESSAGES = 256  # chats this long are rendered in the executor
+# No token is longer than this many characters in any tokenizer we serve: text longer
+# than the context times this cannot fit, and is refused before it is rendered or encoded.
+MAX_CHARS_PER_TOKEN = 64
 
 
 async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
@@ -216,6 +219,7 @@ async def tokenize(state: GatewayState, req: ChatRequest | CompletionRequest) ->
             **dict(req.template_kwargs),
         )
         size = sum(len(m["content"]) for m in req.messages)
+        check_size(state, size, "messages")
         try:
             if size >= tok.executor_min_chars or len(req.messages) >= _OFF_LOOP_MESSAGES:
                 text = await asyncio.get_running_loop().run_in_executor(None, render)
@@ -232,11 +236,24 @@ async def tokenize(state: GatewayState, req: ChatRequest | CompletionRequest) ->
             text, remember_below=limit - (req.sampling.max_tokens or 1)
         )
     if isinstance(req.prompt, str):
+        check_size(state, len(req.prompt), "prompt")
         return await tok.aencode_prompt(req.prompt)
     prompt = Prompt(list(req.prompt))
     if max(prompt.ids) >= tok.vocab_size:
         raise APIError(400, "a prompt token id is outside the vocabulary", param="prompt")
     return prompt
+
+
+def check_size(state: GatewayState, chars: int, param: str) -> None:
+    """A 400 for text too long for any context, before any work is spent on it."""
+    limit = state.dispatcher.max_model_len(state.tokenizer.max_model_len)
+    if chars > limit * MAX_CHARS_PER_TOKEN:
+        raise APIError(
+            400,
+            f"the {param} hold {chars} characters, more than a {limit}-token context can take",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def fit_context(state: GatewayState, s: SamplingRequest, prompt: Prompt, chat: bool) -> int:
