@@ -13,8 +13,16 @@ Prints one JSON object:
     token, and the first tokens of (a), cold and with the prefix hit, equal
     HF's greedy next token.
 
+With ``--against vllm`` the same three workloads run side by side against a
+vLLM CPU server instead, both engines as HTTP servers, interleaved over
+``--rounds`` rounds (see ``loadtest.bench_engine_vllm``); the JSON then also
+has ``vllm_*`` figures, the kvroute / vLLM ratios and ``target_met``
+(throughput >= vLLM's and cold TTFT <= vLLM's), and (c) compares kvroute's
+texts of round 0 with HF's decoded greedy tokens.
+
 Usage: ``python -m loadtest.bench_engine [--model smollm2] [--prompt-tokens 2048]
-[--shared-tokens 1984] [--new-tokens 256] [--concurrency 8]``.
+[--shared-tokens 1984] [--new-tokens 256] [--concurrency 8] [--dtype float32]
+[--against vllm [--rounds 3]]``.
 """
 
 from __future__ import annotations
@@ -43,8 +51,14 @@ class BenchConfig:
     block_size: int = 16
     max_batch_tokens: int = 2048
     dtype: str = "float32"
-    threads: int = 0  # 0 = torch's default
+    device: str = "cpu"  # in-process only: cuda for loadtest/gpu_check.sh
+    threads: int = 0  # 0 = torch's default (--against vllm: 2 for both engines)
     seed: int = 0
+    against: str = ""  # "" = in-process engine vs HF; "vllm" = side by side over HTTP
+    rounds: int = 3
+    kv_space_gib: int = 2
+    vllm_eager: bool = False
+    log_dir: str = ""
 
     def validate(self) -> BenchConfig:
         for flag, value in (
@@ -56,6 +70,12 @@ class BenchConfig:
         ):
             if value < 1:
                 raise ValueError(f"{flag} {value}: must be >= 1")
+        if self.against not in ("", "vllm"):
+            raise ValueError(f"--against {self.against!r}: only vllm is supported")
+        if self.against and self.device != "cpu":
+            raise ValueError(f"--device {self.device}: --against vllm runs on cpu only")
+        if self.rounds < 1:
+            raise ValueError(f"--rounds {self.rounds}: must be >= 1")
         if not 0 <= self.shared_tokens < self.prompt_tokens:
             raise ValueError(f"--shared-tokens {self.shared_tokens}: must be in [0, prompt-tokens)")
         return self
@@ -98,7 +118,7 @@ def hf_greedy(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
     config.max_new_tokens = new_tokens
     config.do_sample = False
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), generation_config=config)
+        out = model.generate(torch.tensor([prompt], device=model.device), generation_config=config)
     return out[0, len(prompt) :].tolist()
 
 
@@ -137,7 +157,11 @@ async def run_engine_part(cfg: BenchConfig) -> tuple[dict, dict, dict]:
     per_tput = math.ceil((cfg.throughput_prompt_tokens + cfg.new_tokens) / cfg.block_size)
     num_blocks = max(3 * per_prompt, cfg.concurrency * per_tput) + 16
     runner = ModelRunner(
-        cfg.model, dtype=cfg.dtype, block_size=cfg.block_size, num_blocks=num_blocks
+        cfg.model,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        block_size=cfg.block_size,
+        num_blocks=num_blocks,
     )
     engine = Engine(
         runner,
@@ -171,7 +195,7 @@ def run_hf_part(cfg: BenchConfig, ttft: dict, tput: dict) -> dict:
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model), dtype=dtype[cfg.dtype])
-    model.eval()
+    model.to(cfg.device).eval()
     hf_greedy(model, tput["prompts"][0][:8], 4)  # warm-up
     started = time.perf_counter()
     outputs = [hf_greedy(model, p, cfg.new_tokens) for p in tput["prompts"]]
@@ -180,10 +204,87 @@ def run_hf_part(cfg: BenchConfig, ttft: dict, tput: dict) -> dict:
     return {"outputs": outputs, "elapsed_s": elapsed, "first_tokens": first_tokens}
 
 
+def hf_reference(cfg: BenchConfig, prompts: list[list[int]], ttft_prompts: list[list[int]]) -> dict:
+    """HF greedy outputs (and their timing) for the throughput and TTFT prompts."""
+    return run_hf_part(
+        cfg,
+        {"cold_prompt": ttft_prompts[0], "hit_prompt": ttft_prompts[1]},
+        {"prompts": prompts},
+    )
+
+
+def run_against_vllm(cfg: BenchConfig) -> dict:
+    """``--against vllm``: both engines over HTTP, then HF on round 0's prompts."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from loadtest import bench_engine_vllm as vs
+    from worker.model.store import resolve_model
+
+    acfg = vs.AgainstConfig(
+        model=cfg.model,
+        dtype=cfg.dtype,
+        block_size=cfg.block_size,
+        prompt_tokens=cfg.prompt_tokens,
+        shared_tokens=cfg.shared_tokens,
+        new_tokens=cfg.new_tokens,
+        concurrency=cfg.concurrency,
+        throughput_prompt_tokens=cfg.throughput_prompt_tokens,
+        max_batch_tokens=cfg.max_batch_tokens,
+        rounds=cfg.rounds,
+        threads=cfg.threads or 2,
+        kv_space_gib=cfg.kv_space_gib,
+        vllm_eager=cfg.vllm_eager,
+        seed=cfg.seed,
+        log_dir=cfg.log_dir,
+    )
+
+    def hf_check(prompts: dict, texts: list[str], first_texts: list[str]) -> dict:
+        import torch
+
+        torch.set_num_threads(acfg.threads)
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(cfg.model)))
+        hf = hf_reference(cfg, prompts["tput"], [prompts["cold"], prompts["hit"]])
+        total = cfg.concurrency * cfg.new_tokens
+        same = texts == vs.texts_of(tokenizer, hf["outputs"])
+        same_first = first_texts == vs.texts_of(tokenizer, [[t] for t in hf["first_tokens"]])
+        return {
+            "hf_tokens_per_s": round(total / hf["elapsed_s"], 2),
+            "outputs_identical": same and same_first,
+            "throughput_outputs_identical": same,
+            "ttft_first_tokens_identical": same_first,
+        }
+
+    out = vs.run_against_vllm(acfg, hf_check)
+    result = {
+        "model": resolve_model(cfg.model).name,
+        "device": "cpu",
+        "dtype": cfg.dtype,
+        "threads": acfg.threads,
+        "block_size": cfg.block_size,
+        "prompt_tokens": cfg.prompt_tokens,
+        "shared_tokens": cfg.shared_tokens,
+        "concurrency": cfg.concurrency,
+        "new_tokens": cfg.new_tokens,
+        "throughput_prompt_tokens": cfg.throughput_prompt_tokens,
+        **out,
+    }
+    result["throughput_ratio"] = round(result["engine_tokens_per_s"] / result["hf_tokens_per_s"], 2)
+    result["load_average_end"] = round(os.getloadavg()[0], 2)
+    result["target_met"] = vs.target_met(result)
+    return result
+
+
 def run(cfg: BenchConfig) -> dict:
     """Runs the whole benchmark and returns the JSON-ready result."""
+    import os
+
     import torch
 
+    if cfg.against == "vllm":
+        return run_against_vllm(cfg)
+    load_start = os.getloadavg()[0]
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     ttft, tput, info = asyncio.run(run_engine_part(cfg))
@@ -196,8 +297,9 @@ def run(cfg: BenchConfig) -> dict:
     identical_first = [cold["tokens"][0], hit["tokens"][0]] == hf["first_tokens"]
     return {
         "model": info["model_name"],
-        "device": "cpu",
+        "device": cfg.device,
         "dtype": cfg.dtype,
+        "measured_over": "in-process engine (no HTTP)",
         "torch_threads": torch.get_num_threads(),
         "prompt_tokens": cfg.prompt_tokens,
         "shared_tokens": cfg.shared_tokens,
@@ -217,6 +319,8 @@ def run(cfg: BenchConfig) -> dict:
         "throughput_outputs_identical": identical_outputs,
         "ttft_first_tokens_identical": identical_first,
         "num_blocks": info["num_blocks"],
+        "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)],
+        "target_met": identical_outputs and identical_first,
     }
 
 
@@ -236,11 +340,26 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument(
         "--throughput-prompt-tokens", type=int, default=defaults.throughput_prompt_tokens
     )
-    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="default 16; 32 with --against vllm"
+    )
     parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
     parser.add_argument("--dtype", default=defaults.dtype)
+    parser.add_argument("--device", default=defaults.device, help="cpu or cuda (in-process only)")
     parser.add_argument("--threads", type=int, default=defaults.threads)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--against",
+        choices=["vllm"],
+        default=None,
+        help="run side by side with a vLLM CPU server from .venv-vllm, both over HTTP",
+    )
+    parser.add_argument("--rounds", type=int, default=defaults.rounds)
+    parser.add_argument("--kv-space-gib", type=int, default=defaults.kv_space_gib)
+    parser.add_argument(
+        "--vllm-eager", action="store_true", help="start vLLM with --enforce-eager (faster start)"
+    )
+    parser.add_argument("--log-dir", default="", help="where the servers' logs go (--against)")
     args = parser.parse_args(argv)
     shared = args.shared_tokens
     if shared is None:
@@ -252,11 +371,17 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         new_tokens=args.new_tokens,
         concurrency=args.concurrency,
         throughput_prompt_tokens=args.throughput_prompt_tokens,
-        block_size=args.block_size,
+        block_size=args.block_size or (32 if args.against else defaults.block_size),
         max_batch_tokens=args.max_batch_tokens,
         dtype=args.dtype,
+        device=args.device,
         threads=args.threads,
         seed=args.seed,
+        against=args.against or "",
+        rounds=args.rounds,
+        kv_space_gib=args.kv_space_gib,
+        vllm_eager=args.vllm_eager,
+        log_dir=args.log_dir,
     ).validate()
 
 

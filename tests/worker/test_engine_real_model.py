@@ -8,6 +8,7 @@ with decodes) must all produce exactly the tokens HF produces.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -18,6 +19,9 @@ from contract.hashing import HashSpec
 from worker.engine.core import Engine, EngineConfig, RequestOutput
 from worker.engine.sequence import SamplingParams
 from worker.model.runner import ModelRunner
+
+# loadtest/gpu_check.sh runs this module with KVROUTE_TEST_DEVICE=cuda.
+DEVICE = os.environ.get("KVROUTE_TEST_DEVICE", "cpu")
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog while the patient cat watches from the "
@@ -62,7 +66,7 @@ async def make_engine() -> AsyncIterator[EngineFactory]:
     engines: list[Engine] = []
 
     def factory(model_dir: Path, *, block_size: int, max_batch_tokens: int) -> Engine:
-        runner = ModelRunner(model_dir, block_size=block_size, num_blocks=64)
+        runner = ModelRunner(model_dir, device=DEVICE, block_size=block_size, num_blocks=64)
         engine = Engine(
             runner,
             EngineConfig(max_batch_tokens=max_batch_tokens),

@@ -9,6 +9,7 @@ batches, and greedy decoding against ``generate``.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,11 +19,22 @@ import torch
 from worker.engine.batch import SeqChunk
 from worker.model.runner import ModelRunner
 
+# loadtest/gpu_check.sh runs this module with KVROUTE_TEST_DEVICE=cuda.
+DEVICE = os.environ.get("KVROUTE_TEST_DEVICE", "cpu")
 ATOL = 2e-4
 RTOL = 1e-4
 MODELS = ["tiny_llama", "tiny_qwen2", "smollm2"]
 
 HFLoader = Callable[[Path], torch.nn.Module]
+
+
+def make_runner(path: Path | str, **kwargs: object) -> ModelRunner:
+    return ModelRunner(path, device=DEVICE, **kwargs)  # type: ignore[arg-type]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, **kwargs: float) -> None:
+    """``torch.testing.assert_close`` across devices (the HF reference stays on CPU)."""
+    torch.testing.assert_close(actual.cpu(), expected.cpu(), **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +75,17 @@ def model_dir(request: pytest.FixtureRequest, name: str) -> Path:
 @pytest.mark.parametrize("name", MODELS)
 def test_cold_prompt_in_one_chunk(request: pytest.FixtureRequest, hf_model: HFLoader, name: str):
     path = model_dir(request, name)
-    runner = ModelRunner(path, block_size=4, num_blocks=32)
+    runner = make_runner(path, block_size=4, num_blocks=32)
     ids = prompt(runner.vocab_size, 37, seed=1)
     out = runner.execute([SeqChunk(ids, 0, blocks(5, 37, 4), need_logits=True)])
     assert out.shape == (1, runner.vocab_size) and out.dtype == torch.float32
-    torch.testing.assert_close(out[0], hf_logits(hf_model(path), ids)[-1], atol=ATOL, rtol=RTOL)
+    assert_close(out[0], hf_logits(hf_model(path), ids)[-1], atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_prompt_in_several_chunks(request: pytest.FixtureRequest, hf_model: HFLoader, name: str):
     path = model_dir(request, name)
-    runner = ModelRunner(path, block_size=4, num_blocks=32)
+    runner = make_runner(path, block_size=4, num_blocks=32)
     ids = prompt(runner.vocab_size, 41, seed=2)
     ref = hf_logits(hf_model(path), ids)
     # Scattered, non-consecutive block ids prove reads follow the block table.
@@ -81,7 +93,7 @@ def test_prompt_in_several_chunks(request: pytest.FixtureRequest, hf_model: HFLo
     cuts = [0, 13, 16, 30, 41]  # boundaries inside and on block edges
     for start, end in itertools.pairwise(cuts):
         out = runner.execute([SeqChunk(ids[start:end], start, table, need_logits=True)])
-        torch.testing.assert_close(out[0], ref[end - 1], atol=ATOL, rtol=RTOL)
+        assert_close(out[0], ref[end - 1], atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -90,13 +102,13 @@ def test_prefix_shared_through_blocks(
 ):
     """A second prompt reuses the first's full blocks and computes only its own suffix."""
     path = model_dir(request, name)
-    runner = ModelRunner(path, block_size=4, num_blocks=32)
+    runner = make_runner(path, block_size=4, num_blocks=32)
     first = prompt(runner.vocab_size, 30, seed=3)
     second = first[:24] + prompt(runner.vocab_size, 9, seed=4)
     runner.execute([SeqChunk(first, 0, blocks(0, 30, 4), need_logits=True)])
     table = blocks(0, 24, 4) + blocks(20, 9, 4)  # 6 shared blocks, then its own
     out = runner.execute([SeqChunk(second[24:], 24, table, need_logits=True)])
-    torch.testing.assert_close(out[0], hf_logits(hf_model(path), second)[-1], atol=ATOL, rtol=RTOL)
+    assert_close(out[0], hf_logits(hf_model(path), second)[-1], atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -105,7 +117,7 @@ def test_mixed_prefill_and_decode_batch(
 ):
     path = model_dir(request, name)
     hf = hf_model(path)
-    runner = ModelRunner(path, block_size=4, num_blocks=64)
+    runner = make_runner(path, block_size=4, num_blocks=64)
     seqs = [prompt(runner.vocab_size, n, seed=10 + n) for n in (5, 18, 33, 12, 26)]
     tables = [blocks(12 * i, 48, 4) for i in range(5)]
     # Step 1: seqs 0 and 1 prefill fully, seq 2 only its first 20 tokens (no logits).
@@ -130,7 +142,7 @@ def test_mixed_prefill_and_decode_batch(
     )
     assert out.shape == (4, runner.vocab_size)
     for row, seq in zip(out, [seqs[0], seqs[1], seqs[2], seqs[4]], strict=True):
-        torch.testing.assert_close(row, hf_logits(hf, seq)[-1], atol=ATOL, rtol=RTOL)
+        assert_close(row, hf_logits(hf, seq)[-1], atol=ATOL, rtol=RTOL)
 
 
 def greedy(
@@ -170,7 +182,7 @@ def greedy(
 def test_greedy_matches_hf_generate(request: pytest.FixtureRequest, hf_model: HFLoader, name: str):
     path = model_dir(request, name)
     hf = hf_model(path)
-    runner = ModelRunner(path, block_size=4, num_blocks=160)
+    runner = make_runner(path, block_size=4, num_blocks=160)
     prompts = [prompt(runner.vocab_size, n, seed=20 + n) for n in (7, 19, 12)]
     got = greedy(runner, prompts, new_tokens=20)
     for ids, tokens in zip(prompts, got, strict=True):
@@ -194,7 +206,7 @@ def test_greedy_chat_prompt_on_smollm2(smollm2: Path, hf_model: HFLoader):
         ref = hf_model(smollm2).generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)
     expected = ref[0, len(ids) :].tolist()
     assert "Paris" in tokenizer.decode(expected)
-    runner = ModelRunner(smollm2, block_size=16, num_blocks=16)
+    runner = make_runner(smollm2, block_size=16, num_blocks=16)
     assert greedy(runner, [ids], 20, tables=[[0, 1, 2, 3, 4]])[0] == expected
     # Same prompt again: its full blocks are reused, only the tail is computed.
     full = len(ids) // 16
@@ -205,8 +217,8 @@ def test_greedy_chat_prompt_on_smollm2(smollm2: Path, hf_model: HFLoader):
 
 def test_fp8_kv_cache_agrees_with_fp32(smollm2: Path):
     """fp8 K/V: teacher-forced on fp32's greedy text, the argmax mostly agrees."""
-    exact = ModelRunner(smollm2, block_size=16, num_blocks=24)
-    fp8 = ModelRunner(smollm2, block_size=16, num_blocks=24, kv_cache_dtype="fp8")
+    exact = make_runner(smollm2, block_size=16, num_blocks=24)
+    fp8 = make_runner(smollm2, block_size=16, num_blocks=24, kv_cache_dtype="fp8")
     assert fp8.k_caches[0].dtype == torch.float8_e4m3fn
     ids = prompt(exact.vocab_size, 40, seed=5)
     reference = greedy(exact, [ids], 24)[0]
@@ -256,15 +268,15 @@ def test_qwen3_q_k_norm(tmp_path: Path, hf_model: HFLoader):
         tie_word_embeddings=True,
     )
     path = _random_checkpoint(tmp_path / "tiny-qwen3", config)
-    runner = ModelRunner(path, block_size=4, num_blocks=32)
+    runner = make_runner(path, block_size=4, num_blocks=32)
     assert runner.weights.layers[0].q_norm is not None
     ids = tokenizer("The paged KV cache holds every prefix once.")["input_ids"] * 3
     ref = hf_logits(hf_model(path), ids)
     table = blocks(3, len(ids), 4)
     first = runner.execute([SeqChunk(ids[:17], 0, table, True)])
     rest = runner.execute([SeqChunk(ids[17:], 17, table, True)])
-    torch.testing.assert_close(first[0], ref[16], atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(rest[0], ref[-1], atol=ATOL, rtol=RTOL)
+    assert_close(first[0], ref[16], atol=ATOL, rtol=RTOL)
+    assert_close(rest[0], ref[-1], atol=ATOL, rtol=RTOL)
 
 
 def test_llama3_rope_scaling_and_tied_embeddings(tmp_path: Path, hf_model: HFLoader):
@@ -289,41 +301,41 @@ def test_llama3_rope_scaling_and_tied_embeddings(tmp_path: Path, hf_model: HFLoa
         },
     )
     path = _random_checkpoint(tmp_path / "tiny-llama3", config)
-    runner = ModelRunner(path, block_size=8, num_blocks=40)
+    runner = make_runner(path, block_size=8, num_blocks=40)
     assert runner.weights.lm_head.weight is runner.weights.embed
     ids = prompt(300, 200, seed=6)
     table = blocks(0, 200, 8)
     runner.execute([SeqChunk(ids[:150], 0, table, False)])
     out = runner.execute([SeqChunk(ids[150:], 150, table, True)])
-    torch.testing.assert_close(out[0], hf_logits(hf_model(path), ids)[-1], atol=ATOL, rtol=RTOL)
+    assert_close(out[0], hf_logits(hf_model(path), ids)[-1], atol=ATOL, rtol=RTOL)
 
 
 def test_bfloat16_runs_close_to_float32(tiny_llama: Path):
     ids = prompt(1000, 24, seed=7)
     chunk = SeqChunk(ids, 0, blocks(0, 24, 4), True)
-    exact = ModelRunner(tiny_llama, block_size=4, num_blocks=8).execute([chunk])
-    half = ModelRunner(tiny_llama, dtype="bfloat16", block_size=4, num_blocks=8).execute([chunk])
+    exact = make_runner(tiny_llama, block_size=4, num_blocks=8).execute([chunk])
+    half = make_runner(tiny_llama, dtype="bfloat16", block_size=4, num_blocks=8).execute([chunk])
     assert half.dtype == torch.float32
     assert torch.nn.functional.cosine_similarity(exact, half).item() > 0.99
 
 
 def test_attributes(smollm2: Path, tiny_qwen2: Path):
-    runner = ModelRunner(smollm2, block_size=16, num_blocks=10)
+    runner = make_runner(smollm2, block_size=16, num_blocks=10)
     assert runner.model_name == "SmolLM2-135M-Instruct"
     assert (runner.vocab_size, runner.max_model_len, runner.eos_token_ids) == (49152, 8192, (2,))
     assert runner.k_caches[0].shape == (10, 16, 3, 64) and len(runner.v_caches) == 30
-    assert ModelRunner(tiny_qwen2, num_blocks=1).eos_token_ids == (151645,)
+    assert make_runner(tiny_qwen2, num_blocks=1).eos_token_ids == (151645,)
 
 
 def test_capacity_from_memory_fraction(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch):
     # 2 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 bytes
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4
     monkeypatch.setattr("worker.model.runner._available_ram_bytes", lambda: 300 * block_bytes)
-    runner = ModelRunner(tiny_llama, block_size=16, memory_fraction=0.5)
+    runner = make_runner(tiny_llama, block_size=16, memory_fraction=0.5)
     assert runner.block_bytes == block_bytes
     assert runner.num_blocks == 150 and runner.k_caches[1].shape[0] == 150
     with pytest.raises(ValueError, match="--memory-fraction"):
-        ModelRunner(tiny_llama, block_size=16, memory_fraction=0.001)
+        make_runner(tiny_llama, block_size=16, memory_fraction=0.001)
 
 
 @pytest.mark.parametrize(
@@ -339,11 +351,11 @@ def test_capacity_from_memory_fraction(tiny_llama: Path, monkeypatch: pytest.Mon
 )
 def test_bad_config_names_the_flag(tiny_llama: Path, kwargs: dict, flag: str):
     with pytest.raises(ValueError, match=flag):
-        ModelRunner(tiny_llama, **kwargs)
+        make_runner(tiny_llama, **kwargs)
 
 
 def test_chunk_outside_its_block_table_is_refused(tiny_llama: Path):
-    runner = ModelRunner(tiny_llama, block_size=4, num_blocks=8)
+    runner = make_runner(tiny_llama, block_size=4, num_blocks=8)
     with pytest.raises(ValueError, match="block table"):
         runner.execute([SeqChunk(list(range(9)), 0, [0, 1], True)])
     with pytest.raises(ValueError, match="exceed"):
