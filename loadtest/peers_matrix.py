@@ -73,10 +73,10 @@ class MatrixConfig:
 
     workloads: tuple[str, ...] = WORKLOADS
     trace: str = "loadtest/traces/mooncake_conversation_trace.jsonl"
-    trace_limit: int = 1000
+    trace_limit: int = 500
     trace_block_tokens: int = 32
     trace_speedup: float = 8.0
-    chat_users: int = 32
+    chat_users: int = 24
     chat_turns: int = 3
     chat_arrival_rate: float = 2.0
     prefix_groups: int = 12
@@ -276,7 +276,9 @@ def run_router(
     policy = "round_robin" if router == "kvroute_round_robin" else "kvroute"
     out: dict[str, dict[str, Any]] = {}
     work = Path(tempfile.mkdtemp(prefix=f"kvroute-matrix-{router}-"))
-    with Fleet(fleet_config(cfg, policy, router)) as fleet:
+    # Sixteen workers on a loaded 2-core host can take minutes to register.
+    fleet_cfg = replace(fleet_config(cfg, policy, router), startup_timeout=900.0)
+    with Fleet(fleet_cfg) as fleet:
         worker_urls = [w.http_url for w in fleet.workers]
         urls = [fleet.gateway_url]
         extra: list[subprocess.Popen[bytes]] = []
@@ -357,7 +359,16 @@ def run(cfg: FleetBenchConfig, pcfg: Any, mcfg: MatrixConfig, command: str) -> d
     by_router: dict[str, dict[str, dict[str, Any]]] = {}
     for router in pcfg.routers:
         logger.warning("router %s: starting a fresh fleet of %d workers", router, cfg.workers)
-        by_router[router] = run_router(cfg, pcfg, mcfg, router)
+        try:
+            by_router[router] = run_router(cfg, pcfg, mcfg, router)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            logger.warning("router %s: the fleet failed: %s", router, exc)
+            by_router[router] = {
+                w: {"error": f"{type(exc).__name__}: {exc}"} for w in mcfg.workloads
+            }
+        if cfg.log_dir:  # a long run keeps what it measured so far
+            partial = Path(cfg.log_dir) / "partial.json"
+            partial.write_text(json.dumps(by_router, default=str))
     keys = ("hit_rate", "ttft_p50_s", "ttft_p99_s", "tokens_per_s", "max_worker_share")
     workloads: dict[str, dict[str, dict[str, Any]]] = {}
     for workload in mcfg.workloads:
