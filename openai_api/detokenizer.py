@@ -6,8 +6,9 @@ span two tokens, and words whose leading space depends on the previous
 token, so each step decodes a short window of earlier ids with and without
 the new ones and emits the difference, holding back while the tail is an
 incomplete character (U+FFFD). Stop strings are matched on the text: the
-text up to the first match is emitted, never the stop string itself, and
-text that could still grow into a stop string is held back until it cannot.
+text up to the first match is emitted, never the stop string itself (unless
+``include_stop``, vLLM's ``include_stop_str_in_output``), and text that could
+still grow into a stop string is held back until it cannot.
 
 Stop matching is linear in the generated text whatever the stop strings'
 length: each stop string runs a Knuth-Morris-Pratt automaton fed one
@@ -64,6 +65,7 @@ class Detokenizer:
         stop: Sequence[str] = (),
         *,
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         self._tok = tokenizer
         self._skip_special = skip_special_tokens
@@ -71,6 +73,7 @@ class Detokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._matchers = [_StopMatcher(s) for s in stop if s]
+        self._include_stop = include_stop  # vLLM's include_stop_str_in_output
         self.text = ""  # all text decoded so far (before stop truncation)
         self._scanned = 0  # characters of self.text fed to the stop matchers
         self._emitted = 0  # characters of self.text already returned
@@ -112,7 +115,7 @@ class Detokenizer:
             ch = text[i]
             for m in self._matchers:
                 if m.feed(ch):
-                    cut = i + 1 - len(m.stop)
+                    cut = i + 1 if self._include_stop else i + 1 - len(m.stop)
                     self.stopped = True
                     self._scanned = i + 1
                     out = text[self._emitted : cut] if cut > self._emitted else ""

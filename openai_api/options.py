@@ -101,6 +101,7 @@ OPTIONS: dict[str, Option] = {
     "frequency_penalty": (SUPPORTED, BOTH, _falsy, "penalty by generated-token count"),
     "repetition_penalty": (SUPPORTED, BOTH, _one, "vLLM extension"),
     "min_p": (SUPPORTED, BOTH, _falsy, "vLLM extension"),
+    "include_stop_str_in_output": (SUPPORTED, BOTH, _falsy, "vLLM extension"),
     # Accepted with no effect, as on vLLM.
     "store": (IGNORED, CHAT, _absent, "nothing is stored"),
     "metadata": (IGNORED, CHAT, _absent, "nothing is stored"),
@@ -122,7 +123,6 @@ OPTIONS: dict[str, Option] = {
     "echo": (UNSUPPORTED, COMPLETION, _falsy, "the prompt in front of the completion"),
     "best_of": (UNSUPPORTED, COMPLETION, _one, "server-side best of n"),
     "suffix": (UNSUPPORTED, COMPLETION, _falsy, "insertion after the completion"),
-    "include_stop_str_in_output": (UNSUPPORTED, BOTH, _falsy, "vLLM extension"),
     "skip_special_tokens": (UNSUPPORTED, BOTH, _true_or_absent, "vLLM extension; default true"),
     "prompt_logprobs": (UNSUPPORTED, BOTH, _absent, "vLLM extension"),
     "use_beam_search": (UNSUPPORTED, BOTH, _falsy, "vLLM extension"),

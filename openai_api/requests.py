@@ -54,6 +54,7 @@ class SamplingRequest:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     logprobs: int | None = None  # None: off; k: the chosen token's and the top k alternatives
+    include_stop_str_in_output: bool = False  # a matched stop string ends the text (vLLM)
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,7 @@ def parse_sampling(
         stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids"),
         cache_salt=salt or None,
         logprobs=_logprobs(body, endpoint),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         **processors,
     )
 

@@ -63,7 +63,9 @@ class _Choice:
         self.stream = stream
         self.s = s
         self.chat = chat
-        self.detok = Detokenizer(tokenizer, stream.job.prompt_ids, s.stop)
+        self.detok = Detokenizer(
+            tokenizer, stream.job.prompt_ids, s.stop, include_stop=s.include_stop_str_in_output
+        )
         self.completion_tokens = 0
         self.cached_tokens: int | None = None
         self._lp_pending: list[TokenLogprobs] = []

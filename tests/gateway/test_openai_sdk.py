@@ -18,7 +18,7 @@ HELLO = [{"role": "user", "content": "Hello"}]
 UNSUPPORTED_CASES: list[tuple[str, dict[str, Any]]] = [
     ("chat", {"min_tokens": 3}),
     ("chat", {"guided_json": {"type": "object"}}),
-    ("completion", {"include_stop_str_in_output": True}),
+    ("completion", {"skip_special_tokens": False}),
     ("chat", {"response_format": {"type": "json_object"}}),
     (
         "chat",
@@ -297,3 +297,16 @@ async def test_n_choices_go_to_one_worker_after_the_first_token(gateway: Harness
         if not chunk.choices:
             assert chunk.usage is not None and chunk.usage.completion_tokens == 2 * 4
     assert texts == {0: "a b c", 1: "a b c"} and finished == {0, 1}
+
+
+async def test_include_stop_str_in_output(gateway: Harness) -> None:
+    await gateway.add_worker("w1", "one two three four")
+    client = _sdk(gateway)
+    for extra, expected in (
+        ({}, "one two"),
+        ({"include_stop_str_in_output": True}, "one two three"),
+    ):
+        out = await client.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=8, stop=[" three"], extra_body=extra
+        )
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (expected, "stop")

@@ -158,6 +158,7 @@ class Job:
     continuous_usage: bool  # stream_options.continuous_usage_stats: usage in every chunk
     cache_salt: str
     n: int = 1  # choices: one engine request each (the others after the first's first token)
+    include_stop: bool = False  # include_stop_str_in_output
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -272,6 +273,7 @@ async def _parse_job(request: web.Request, kind: str) -> Job:
         include_usage=sampling.include_usage,
         continuous_usage=sampling.continuous_usage_stats,
         n=sampling.n,
+        include_stop=sampling.include_stop_str_in_output,
         cache_salt=(sampling.cache_salt or "") if info.trust_body_salt else "",
     )
 
@@ -285,7 +287,9 @@ class _Run:
     def __init__(self, request: web.Request, job: Job) -> None:
         self.engine = request.app[ENGINE]
         self.job = job
-        self.text = Detokenizer(request.app[TOKENIZER], job.prompt_ids, job.stop)
+        self.text = Detokenizer(
+            request.app[TOKENIZER], job.prompt_ids, job.stop, include_stop=job.include_stop
+        )
         self.finish_reason: str | None = None
         self.prompt_tokens = len(job.prompt_ids)
         self.cached_tokens = 0
