@@ -30,7 +30,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -43,11 +43,13 @@ from loadtest.workloads import ChatConfig, Conversation, chat_workload
 logger = logging.getLogger(__name__)
 
 REASON_HEADER = "x-kvroute-reason"
-ENGINES = ("torch", "emulated")
+ENGINES = ("torch", "emulated", "vllm")  # vllm: real vLLM CPU servers behind bridges
 # The GPU profile the README's fleet-scale figures use (worker/model/profiles/).
 DEFAULT_PROFILE = "h100-llama3.1-8b"
 _COUNTER_RE = re.compile(
-    r"^(kvroute_worker_(?:cached_)?prompt_tokens_total)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M
+    r"^(kvroute_worker_(?:cached_)?prompt_tokens_total|vllm:prompt_tokens(?:_cached)?_total)"
+    r"(?:\{[^}]*\})?\s+([0-9.eE+-]+)$",
+    re.M,
 )
 
 
@@ -120,9 +122,14 @@ def worker_counters(worker_urls: Sequence[str]) -> dict[str, tuple[float, float]
         values: dict[str, float] = {}
         for name, value in _COUNTER_RE.findall(text):
             values[name] = values.get(name, 0.0) + float(value)
-        out[url] = (
-            values.get("kvroute_worker_prompt_tokens_total", 0.0),
-            values.get("kvroute_worker_cached_prompt_tokens_total", 0.0),
+        out[url] = (  # a vLLM worker reports the same two counters under its own names
+            values.get(
+                "kvroute_worker_prompt_tokens_total", values.get("vllm:prompt_tokens_total", 0.0)
+            ),
+            values.get(
+                "kvroute_worker_cached_prompt_tokens_total",
+                values.get("vllm:prompt_tokens_cached_total", 0.0),
+            ),
         )
     return out
 
@@ -368,11 +375,21 @@ def run_policy(
 ) -> dict[str, Any]:
     """A fresh fleet whose gateway routes with ``policy``, measured through that gateway."""
     t_start = time.perf_counter()
-    with torch_threads(cfg.worker_threads), Fleet(fleet_config(cfg, policy)) as fleet:
+    with torch_threads(cfg.worker_threads), _fleet(cfg, policy) as fleet:
         startup_s = time.perf_counter() - t_start
         out = {"policy": policy, "startup_s": startup_s}
         out.update(measure(cfg, fleet.gateway_url, [w.http_url for w in fleet.workers], on_result))
     return out
+
+
+def _fleet(cfg: FleetBenchConfig, policy: str) -> Fleet:
+    """kvroute workers, or with ``--engine vllm`` vLLM servers behind bridges (same KV tokens)."""
+    if cfg.engine != "vllm":
+        return Fleet(fleet_config(cfg, policy))
+    from loadtest.vllm_fleet import VLLM_BLOCK_SIZE, VllmFleet
+
+    blocks = max(65, cfg.num_blocks * FleetConfig.block_size // VLLM_BLOCK_SIZE)
+    return VllmFleet(replace(fleet_config(cfg, policy), startup_timeout=600.0), num_blocks=blocks)
 
 
 def jsonable(obj: Any) -> Any:
