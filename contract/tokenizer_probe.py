@@ -35,12 +35,20 @@ def fingerprint(chat_ids: Sequence[int], text_ids: Sequence[int]) -> str:
 
 
 def probe_ids(tokenizer: Any) -> tuple[list[int], list[int]]:
-    """(chat ids, text ids) of the probe: template rendered to text, no extra special tokens."""
-    text = tokenizer.apply_chat_template(
-        [dict(m) for m in PROBE_MESSAGES], add_generation_prompt=True, tokenize=False
-    )
-    if not isinstance(text, str):
-        raise ValueError("the chat template did not render to text")
-    chat = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    """(chat ids, text ids) of the probe: template rendered to text, no extra special tokens.
+
+    A tokenizer without a chat template (a base model) has no chat ids: ``[]``.
+    """
+    try:
+        text = tokenizer.apply_chat_template(
+            [dict(m) for m in PROBE_MESSAGES], add_generation_prompt=True, tokenize=False
+        )
+    except ValueError:  # transformers: no chat template
+        text = None
+    chat = [] if not isinstance(text, str) else chat_ids(tokenizer, text)
     plain = [int(t) for t in tokenizer.encode(PROBE_TEXT, add_special_tokens=False)]
     return chat, plain
+
+
+def chat_ids(tokenizer: Any, rendered: str) -> list[int]:
+    return [int(t) for t in tokenizer.encode(rendered, add_special_tokens=False)]

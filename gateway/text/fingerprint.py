@@ -12,5 +12,8 @@ from gateway.text.tokenizer import ChatTokenizer
 
 def tokenizer_fingerprint(tokenizer: ChatTokenizer) -> str:
     """``fingerprint`` of the probe chat (template rendered) and probe text, no special tokens."""
-    chat = tokenizer.encode_text(tokenizer.render(PROBE_MESSAGES))
+    try:
+        chat = tokenizer.encode_text(tokenizer.render(PROBE_MESSAGES))
+    except ValueError:  # no chat template: as contract.tokenizer_probe.probe_ids
+        chat = []
     return fingerprint(chat, tokenizer.encode_text(PROBE_TEXT))

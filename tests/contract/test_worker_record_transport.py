@@ -66,3 +66,14 @@ def test_fingerprint_is_stable_and_tells_tokenizers_apart() -> None:
     assert fp.startswith("tok1:") and len(fp) == len("tok1:") + 16
     assert fp != fingerprint(*probe_ids(_FakeTokenizer(offset=1)))
     assert fingerprint([1, 2], [3]) != fingerprint([1], [2, 3])
+
+
+class _NoTemplate(_FakeTokenizer):
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):  # type: ignore[no-untyped-def]
+        raise ValueError("no chat template")
+
+
+def test_a_tokenizer_without_a_chat_template_fingerprints_its_text_only() -> None:
+    chat, text = probe_ids(_NoTemplate())
+    assert chat == [] and text
+    assert fingerprint(chat, text) != fingerprint(*probe_ids(_FakeTokenizer()))

@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -184,7 +184,12 @@ class Bridge:
         block_size = self.config.block_size or load.block_size
         if block_size <= 0:
             raise ValueError("the engine's block size is unknown; pass --block-size")
-        chat = await http.tokenize_chat(served.name, PROBE_MESSAGES)
+        try:
+            chat = await http.tokenize_chat(served.name, PROBE_MESSAGES)
+        except aiohttp.ClientResponseError as exc:
+            if exc.status != 400:
+                raise
+            chat = []  # the engine has no chat template (a base model)
         text = await http.tokenize_text(served.name, PROBE_TEXT)
         ours = self._kvroute_probe_ids(served.name)
         if (chat, text) != ours:
@@ -376,8 +381,7 @@ class Bridge:
 
 def _stats(load: EngineLoad, num_blocks: int, rates: RateMeter) -> _Stats:
     blocks = load.num_blocks or num_blocks
-    return replace(
-        _Stats(),
+    return _Stats(
         num_blocks=blocks,
         running=load.running,
         waiting=load.waiting,
