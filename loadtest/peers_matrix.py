@@ -408,3 +408,22 @@ def matrix_config(args: Any) -> MatrixConfig:
         trace_block_tokens=args.trace_block_tokens,
         trace_speedup=args.trace_speedup,
     )
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The headline table of a run: one row per workload and router."""
+    lines = [
+        "| workload | router | hit rate | TTFT p50 | TTFT p99 | output tok/s | max worker share |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for workload, rows in result["workloads"].items():
+        for router, r in rows.items():
+            if "hit_rate" not in r:
+                lines.append(f"| {workload} | {router} | error: {r.get('error', '?')} | | | | |")
+                continue
+            lines.append(
+                f"| {workload} | {router} | {r['hit_rate']:.3f} | {r['ttft_p50_s'] * 1000:.1f} ms "
+                f"| {r['ttft_p99_s'] * 1000:.1f} ms | {r['tokens_per_s']:.0f} "
+                f"| {r['max_worker_share']:.2f} |"
+            )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,77 @@
+"""Unit tests of the emulated-fleet comparison's pure parts: trace rescaling, the hub-cache
+layout aiperf reads offline, and the verdict that computes ``target_met``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loadtest.aiperf_client import hub_cache, rescale_trace
+from loadtest.peers_matrix import markdown, verdict
+
+
+def test_rescale_trace_keeps_hash_ids_and_scales_lengths(tmp_path: Path) -> None:
+    src = tmp_path / "t.jsonl"
+    rows = [
+        {"timestamp": 1000, "input_length": 1100, "output_length": 64, "hash_ids": [0, 1, 2]},
+        {"timestamp": 3000, "input_length": 600, "output_length": 3, "hash_ids": [0, 5]},
+        {"timestamp": 9000, "input_length": 10, "output_length": 1, "hash_ids": [7]},
+    ]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dst = tmp_path / "out.jsonl"
+    shape = rescale_trace(src, dst, block_tokens=32, limit=2, time_scale=3.0, speedup=2.0)
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert shape == {"requests": 2, "span_s": 1.0, "block_tokens": 32}
+    # 1100 * 32/512 = 68.75 -> 69 tokens: within 3 blocks of 32 and past the second one.
+    assert out[0] == {"timestamp": 0, "input_length": 69, "output_length": 4, "hash_ids": [0, 1, 2]}
+    assert out[1] == {"timestamp": 3000, "input_length": 38, "output_length": 1, "hash_ids": [0, 5]}
+
+
+def test_hub_cache_links_the_tokenizer_but_not_the_weights(tmp_path: Path) -> None:
+    model = tmp_path / "Tiny-1"
+    model.mkdir()
+    for name in ("tokenizer.json", "config.json", "model.safetensors"):
+        (model / name).write_text("{}")
+    hub_id = hub_cache(str(model), tmp_path / "hub")
+    repo = tmp_path / "hub" / "models--kvroute--Tiny-1"
+    assert hub_id == "kvroute/Tiny-1"
+    assert (repo / "refs" / "main").read_text() == "local"
+    linked = sorted(p.name for p in (repo / "snapshots" / "local").iterdir())
+    assert linked == ["config.json", "tokenizer.json"]
+    assert hub_cache(str(model), tmp_path / "hub") == hub_id  # idempotent
+
+
+def row(hit: float, p50: float, p99: float) -> dict[str, float]:
+    return {
+        "hit_rate": hit,
+        "ttft_p50_s": p50,
+        "ttft_p99_s": p99,
+        "tokens_per_s": 100.0,
+        "max_worker_share": 0.1,
+    }
+
+
+def test_verdict_needs_kvroute_best_on_every_figure() -> None:
+    rows = {
+        "kvroute": row(0.9, 0.1, 0.5),
+        "kvroute_3_replicas": row(0.88, 0.1, 0.52),
+        "kvroute_round_robin": row(0.5, 0.2, 0.9),
+        "sglang": row(0.85, 0.1, 0.6),
+        "vllm": row(0.8, 0.12, 0.7),
+    }
+    assert verdict({"w": rows})["target_met"] is True
+    worse_p99 = {**rows, "vllm": row(0.8, 0.12, 0.4)}
+    result = verdict({"w": worse_p99})
+    assert result["target_met"] is False
+    assert result["checks"]["w"]["vllm"] == {
+        "hit_rate": True,
+        "ttft_p50_s": True,
+        "ttft_p99_s": False,
+    }
+    missing = {k: v for k, v in rows.items() if k != "sglang"}
+    assert verdict({"w": missing})["target_met"] is False
+    replicas_off = {**rows, "kvroute_3_replicas": row(0.8, 0.1, 0.5)}
+    assert verdict({"w": replicas_off})["target_met"] is False
+    assert "| w | kvroute | 0.900 | 100.0 ms | 500.0 ms | 100 | 0.10 |" in markdown(
+        {"workloads": {"w": rows}}
+    )
