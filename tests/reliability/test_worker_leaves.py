@@ -101,7 +101,12 @@ async def test_rolling_restart_under_streaming_conversations(fleet: Fleet) -> No
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         tasks = [asyncio.create_task(conversation(n, session)) for n in range(CONVERSATIONS)]
-        await asyncio.sleep(2.0)
+        # Both workers serve streams before the restarts begin (so each SIGTERM lands on
+        # work in flight), however slowly a loaded machine warms them up.
+        for _ in range(200):
+            await asyncio.sleep(0.1)
+            if {r.worker for r in results} >= {"worker-0", "worker-1"}:
+                break
         served_before: dict[str, int] = {}
         for w in ["worker-0", "worker-1"]:
             served_before[w] = sum(r.worker == w for r in results)
