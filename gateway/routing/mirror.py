@@ -89,6 +89,7 @@ class WorkerEntry:
     loaded: bool = False
     event_lag_s: float = 0.0
     loads: int = 0  # completed loads of this worker's set (tests, logs)
+    heartbeat: Any = None  # the raw ``updated_at`` last parsed (unchanged: skip the parse)
 
 
 def spec_from_record(record: WorkerRecord) -> HashSpec | None:
@@ -306,10 +307,12 @@ class IndexMirror:
                 if raw[0] is None:
                     continue  # the key expired
                 if _text(raw[0]) == entry.record.epoch:
-                    try:
-                        entry.record = _load_update(entry.record, raw)
-                    except ValueError as exc:
-                        logger.warning("worker %s: ignoring malformed load fields: %s", wid, exc)
+                    if raw[-1] != entry.heartbeat:  # a poll between heartbeats parses nothing
+                        try:
+                            entry.record = _load_update(entry.record, raw)
+                            entry.heartbeat = raw[-1]
+                        except ValueError as exc:
+                            logger.warning("worker %s: malformed load fields: %s", wid, exc)
                     live.add(wid)
                     continue
                 fresh.append(wid)  # a new epoch: read the whole record below
