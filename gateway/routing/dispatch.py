@@ -166,13 +166,21 @@ class Dispatcher:
     # -- candidates and load ------------------------------------------------------
 
     def healthy(self) -> list[WorkerEntry]:
-        """Workers to route to: registered, sane records, engine stepping, not failing now."""
+        """Workers to route to: registered, sane records, engine stepping, not failing now.
+
+        When every otherwise usable worker reports a stalled engine (a loaded CPU
+        fleet, one slow step each), they are all kept: a slow fleet still beats a 503.
+        """
         now = time.monotonic()
-        return [
-            e
+        up = [
+            (e, self.record_check.problem(e.record))
             for wid, e in sorted(self.mirror.workers.items())
-            if self._down_until.get(wid, 0.0) <= now and self.record_check.problem(e.record) is None
+            if self._down_until.get(wid, 0.0) <= now
         ]
+        ok = [e for e, problem in up if problem is None]
+        if ok:
+            return ok
+        return [e for e, problem in up if problem == "engine_stalled"]
 
     def max_model_len(self, default: int) -> int:
         """The largest context a healthy worker accepts (``default`` if none says).
@@ -362,6 +370,17 @@ class Dispatcher:
             headers={"Retry-After": "1"},
         )
 
+    def _left(self, entry: WorkerEntry) -> bool:
+        """Whether ``entry`` stopped being routable (a stalled engine only while others step)."""
+        problem = self.record_check.problem(entry.record)
+        if problem is None:
+            return False
+        if problem != "engine_stalled":
+            return True
+        return any(
+            self.record_check.problem(e.record) is None for e in self.mirror.workers.values()
+        )
+
     def _next_worker(
         self, job: Job, ranked: tuple[str, ...], tried: list[str]
     ) -> tuple[str, WorkerEntry] | None:
@@ -433,7 +452,7 @@ class Dispatcher:
                 if done:
                     return task.result()
                 entry = self.mirror.workers.get(wid)
-                gone = entry is None or self.record_check.problem(entry.record) is not None
+                gone = entry is None or self._left(entry)
                 if gone or time.monotonic() >= give_up:
                     why = "the worker left or stalled" if gone else f"none within {limit:g}s"
                     raise UpstreamError(
