@@ -31,6 +31,7 @@ Not thread-safe: it lives on the gateway's event loop.
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -511,11 +512,13 @@ class BlockIndex:
 
     # -- upkeep ----------------------------------------------------------------------
 
-    def maintain(self, max_shards: int = 64) -> bool:
+    def maintain(self, max_shards: int = 64, budget_s: float = 0.01) -> bool:
         """Sweeps dead ordinals out of up to ``max_shards`` shards; True while work remains.
 
-        An ordinal becomes reusable once a whole pass has run after its death,
-        so no slot can still name it.
+        Stops early once ``budget_s`` of time is spent (at 10^8 entries a shard
+        takes ~2 ms), so a call on the event loop stays short. An ordinal
+        becomes reusable once a whole pass has run after its death, so no slot
+        can still name it.
         """
         if not self._dead and not self._sweeping:
             return False
@@ -524,7 +527,11 @@ class BlockIndex:
         dead = np.fromiter(self._sweeping, dtype=np.int32, count=len(self._sweeping))
         dead_bits = sum(1 << o for o in self._sweeping)
         stop = min(_SHARDS, self._sweep_at + max_shards)
+        deadline = time.perf_counter() + budget_s
         for s in range(self._sweep_at, stop):
+            if s > self._sweep_at and time.perf_counter() > deadline:
+                stop = s
+                break
             shard = self._shards[s]
             vals = np.asarray(shard.vals)
             hit = np.isin(vals, dead)
