@@ -205,7 +205,8 @@ def test_openai_sdk_streaming_usage_and_disconnect(fleet: VllmFleet) -> None:
     generated = sum(
         vllm_gauge(s, "vllm:generation_tokens_total") - before[s.name] for s in fleet.servers
     )
-    assert 3 <= generated < 200, generated
+    # The first chunk carries only the role: three chunks are two tokens or more.
+    assert 2 <= generated < 200, generated
 
 
 def _ids(seed: int, n: int) -> list[int]:
