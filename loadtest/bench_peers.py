@@ -134,6 +134,9 @@ def router_command(
             model_dir,
             "--log-level",
             "warn",
+            # Not the fixed default 29000: another router on this host may hold it.
+            "--prometheus-port",
+            str(free_port()),
         ]
     if name == "vllm":
         return [
@@ -148,6 +151,8 @@ def router_command(
             "cache_aware",
             "--log-level",
             "warning",
+            "--prometheus-port",
+            str(free_port()),
         ]
     raise ValueError(f"--routers: {name!r} is not a peer router")
 
