@@ -13,6 +13,7 @@ WORKDIR /src
 # Only what the gateway runs: the contract it shares with workers and its own package.
 COPY pyproject.toml README.md kvroute_cli.py ./
 COPY contract/ contract/
+COPY openai_api/ openai_api/
 COPY gateway/ gateway/
 RUN python -m venv /opt/kvroute \
  && /opt/kvroute/bin/pip install .

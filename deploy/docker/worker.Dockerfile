@@ -19,6 +19,7 @@ RUN apt-get update \
 WORKDIR /src
 COPY pyproject.toml README.md kvroute_cli.py ./
 COPY contract/ contract/
+COPY openai_api/ openai_api/
 COPY worker/ worker/
 # torch first, from the CUDA index, so the [worker] extra finds it already satisfied.
 RUN python3 -m venv /opt/kvroute \

@@ -122,3 +122,22 @@ def test_dockerignore_keeps_local_state_out() -> None:
         if line.strip() and not line.startswith("#")
     }
     assert {".git", ".venv", "tests", "**/__pycache__"} <= patterns
+
+
+FIRST_PARTY = ("contract", "openai_api", "gateway", "worker", "loadtest")
+
+
+@pytest.mark.parametrize("component", ["gateway", "worker"])
+def test_image_copies_every_package_its_code_imports(component: str) -> None:
+    """A package the component imports but the image lacks is a crash at start-up."""
+    imported = {component}
+    for path in (ROOT / component).rglob("*.py"):
+        for match in re.finditer(
+            r"^\s*(?:from|import) (\w+)", path.read_text(encoding="utf-8"), re.M
+        ):
+            if match.group(1) in FIRST_PARTY:
+                imported.add(match.group(1))
+    copies = " ".join(a for k, a in instructions(DOCKER / f"{component}.Dockerfile") if k == "COPY")
+    missing = {p for p in imported if f"{p}/ " not in copies + " "}
+    assert not missing, f"{component}.Dockerfile does not COPY {sorted(missing)}"
+    assert "loadtest" not in imported, f"{component} must not import loadtest"
