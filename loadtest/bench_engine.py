@@ -59,6 +59,7 @@ class BenchConfig:
     kv_space_gib: int = 2
     vllm_eager: bool = False
     log_dir: str = ""
+    hf_check: bool = True  # --against: compare round 0's texts with HF generate
 
     def validate(self) -> BenchConfig:
         for flag, value in (
@@ -243,6 +244,8 @@ def run_against_vllm(cfg: BenchConfig) -> dict:
     def hf_check(prompts: dict, texts: list[str], first_texts: list[str]) -> dict:
         import torch
 
+        if not cfg.hf_check:
+            return {}
         torch.set_num_threads(acfg.threads)
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(cfg.model)))
         hf = hf_reference(cfg, prompts["tput"], [prompts["cold"], prompts["hit"]])
@@ -270,7 +273,10 @@ def run_against_vllm(cfg: BenchConfig) -> dict:
         "throughput_prompt_tokens": cfg.throughput_prompt_tokens,
         **out,
     }
-    result["throughput_ratio"] = round(result["engine_tokens_per_s"] / result["hf_tokens_per_s"], 2)
+    if "hf_tokens_per_s" in result:
+        result["throughput_ratio"] = round(
+            result["engine_tokens_per_s"] / result["hf_tokens_per_s"], 2
+        )
     result["load_average_end"] = round(os.getloadavg()[0], 2)
     result["target_met"] = vs.target_met(result)
     return result
@@ -360,6 +366,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         "--vllm-eager", action="store_true", help="start vLLM with --enforce-eager (faster start)"
     )
     parser.add_argument("--log-dir", default="", help="where the servers' logs go (--against)")
+    parser.add_argument(
+        "--no-hf-check", action="store_true", help="--against: skip the HF generate comparison"
+    )
     args = parser.parse_args(argv)
     shared = args.shared_tokens
     if shared is None:
@@ -382,6 +391,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         kv_space_gib=args.kv_space_gib,
         vllm_eager=args.vllm_eager,
         log_dir=args.log_dir,
+        hf_check=not args.no_hf_check,
     ).validate()
 
 

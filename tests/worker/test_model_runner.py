@@ -29,7 +29,8 @@ HFLoader = Callable[[Path], torch.nn.Module]
 
 
 def make_runner(path: Path | str, **kwargs: object) -> ModelRunner:
-    return ModelRunner(path, device=DEVICE, **kwargs)  # type: ignore[arg-type]
+    kwargs.setdefault("device", DEVICE)
+    return ModelRunner(path, **kwargs)  # type: ignore[arg-type]
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, **kwargs: float) -> None:

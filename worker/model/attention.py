@@ -13,6 +13,13 @@ runs once per step). Attention is then done per group:
 
 Everything that depends only on the chunks (slots, masks, block-table tensors)
 is built once per step here, not once per layer.
+
+An fp8 cache (``float8_e4m3fn``) keeps one float32 scale per token and KV
+head beside the values: each head vector is divided by its own
+``amax / 448`` before the cast, so the 3-bit mantissa is spent on the
+vector's own range and nothing saturates (a plain cast clips SmolLM2's
+large K outliers at 448, and only 41 % of free-running greedy tokens then
+matched fp32). The scales cost 4 bytes per 64-value head vector.
 """
 
 from __future__ import annotations
@@ -25,6 +32,39 @@ import torch
 import torch.nn.functional as F
 
 FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
+
+@dataclass
+class LayerKV:
+    """One layer's paged cache: K and V ``[num_blocks, block_size, kv_heads, head_dim]``.
+
+    ``k_scale`` / ``v_scale`` ``[num_blocks, block_size, kv_heads]`` (float32)
+    exist only for an fp8 cache: value = stored fp8 * scale.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(
+        cls, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device
+    ) -> LayerKV:
+        # Zeroed, not empty: padded decode rows read unused slots (masked out),
+        # and garbage NaNs there would poison the softmax.
+        def zeros(s: tuple[int, ...], d: torch.dtype) -> torch.Tensor:
+            return torch.zeros(s, dtype=d, device=device)
+
+        if dtype != FP8:
+            return cls(zeros(shape, dtype), zeros(shape, dtype))
+        return cls(
+            zeros(shape, FP8),
+            zeros(shape, FP8),
+            zeros(shape[:3], torch.float32),
+            zeros(shape[:3], torch.float32),
+        )
 
 
 class Chunk(Protocol):
@@ -138,32 +178,34 @@ def build_plan(
     )
 
 
-def write_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slots: torch.Tensor,
-) -> None:
+def write_kv(cache: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Stores K/V [T, kv_heads, head_dim] into their slots of the paged caches."""
+    if cache.k_scale is not None and cache.v_scale is not None:
+        _write_fp8(cache.k, cache.k_scale, k, slots)
+        _write_fp8(cache.v, cache.v_scale, v, slots)
+        return
     kv_heads, head_dim = k.shape[1], k.shape[2]
-    if k_cache.dtype == FP8:
-        # A plain cast past +-448 would give NaN; saturate instead. CPU kernels
-        # cannot index fp8 tensors, so the bytes are moved as uint8.
-        limit = torch.finfo(FP8).max
-        k = k.clamp(-limit, limit).to(FP8).view(torch.uint8)
-        v = v.clamp(-limit, limit).to(FP8).view(torch.uint8)
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+    cache.k.view(-1, kv_heads, head_dim).index_copy_(0, slots, k.to(cache.k.dtype))
+    cache.v.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.to(cache.v.dtype))
+
+
+def _write_fp8(
+    values: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Per-(token, head) scaled cast; CPU kernels cannot index fp8, so bytes move as uint8."""
+    kv_heads, head_dim = x.shape[1], x.shape[2]
+    x = x.float()
+    scale = x.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    quantized = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+    values.view(torch.uint8).view(-1, kv_heads, head_dim).index_copy_(0, slots, quantized)
+    scales.view(-1, kv_heads).index_copy_(0, slots, scale)
 
 
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerKV,
     plan: StepPlan,
 ) -> torch.Tensor:
     """Attention output [T, heads, head_dim] for q [T, heads, head_dim].
@@ -180,8 +222,8 @@ def paged_attention(
             vg = v[group.rows].transpose(0, 1).unsqueeze(0)
             og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
         else:
-            kg = _gather(k_cache, group.block_ids, q.dtype)[: group.ctx_len]
-            vg = _gather(v_cache, group.block_ids, q.dtype)[: group.ctx_len]
+            kg = _gather(cache.k, cache.k_scale, group.block_ids, q.dtype)[: group.ctx_len]
+            vg = _gather(cache.v, cache.v_scale, group.block_ids, q.dtype)[: group.ctx_len]
             og = F.scaled_dot_product_attention(
                 qg,
                 kg.transpose(0, 1).unsqueeze(0),
@@ -199,8 +241,8 @@ def paged_attention(
             raise ValueError("a step plan needs at least one chunk")
         return out
     qd = q if decode.all_rows else q.index_select(0, decode.rows)
-    kd = _gather(k_cache, decode.block_table, q.dtype)
-    vd = _gather(v_cache, decode.block_table, q.dtype)
+    kd = _gather(cache.k, cache.k_scale, decode.block_table, q.dtype)
+    vd = _gather(cache.v, cache.v_scale, decode.block_table, q.dtype)
     od = F.scaled_dot_product_attention(
         qd.unsqueeze(2),
         kd.transpose(1, 2),
@@ -214,16 +256,20 @@ def paged_attention(
     return out
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor, scales: torch.Tensor | None, block_ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Cache blocks by id, upcast to the compute dtype: [..., n * block_size, heads, dim].
 
     ``index_select`` on flat ids, because advanced indexing with a 2-D index
     is many times slower on CPU.
     """
-    source = cache.view(torch.uint8) if cache.dtype == FP8 else cache
-    blocks = source.index_select(0, block_ids.flatten())
-    if cache.dtype == FP8:
-        blocks = blocks.view(FP8)
-    if blocks.dtype != dtype:
-        blocks = blocks.to(dtype)
+    flat = block_ids.flatten()
+    if scales is None:
+        blocks = cache.index_select(0, flat)
+        if blocks.dtype != dtype:
+            blocks = blocks.to(dtype)
+    else:
+        raw = cache.view(torch.uint8).index_select(0, flat).view(FP8)
+        blocks = (raw.float() * scales.index_select(0, flat)[..., None]).to(dtype)
     return blocks.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
