@@ -302,6 +302,7 @@ def generation(
         min_p=s.min_p,
         logit_bias=s.logit_bias,
         logprobs=s.logprobs,
+        json_schema=s.json_schema,
     )
 
 

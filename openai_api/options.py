@@ -102,6 +102,12 @@ OPTIONS: dict[str, Option] = {
     "repetition_penalty": (SUPPORTED, BOTH, _one, "vLLM extension"),
     "min_p": (SUPPORTED, BOTH, _falsy, "vLLM extension"),
     "include_stop_str_in_output": (SUPPORTED, BOTH, _falsy, "vLLM extension"),
+    "response_format": (
+        SUPPORTED,
+        BOTH,
+        _text_format,
+        "text, json_object, json_schema (constrained decoding, llguidance)",
+    ),
     # Accepted with no effect, as on vLLM.
     "store": (IGNORED, CHAT, _absent, "nothing is stored"),
     "metadata": (IGNORED, CHAT, _absent, "nothing is stored"),
@@ -111,7 +117,6 @@ OPTIONS: dict[str, Option] = {
     "priority": (IGNORED, BOTH, _absent, "one queue per worker"),
     # Asked for and not done: 400 unless neutral.
     "min_tokens": (UNSUPPORTED, BOTH, _falsy, "vLLM extension"),
-    "response_format": (UNSUPPORTED, BOTH, _text_format, "json_object / json_schema"),
     "tools": (UNSUPPORTED, CHAT, _falsy, "function calling"),
     "tool_choice": (UNSUPPORTED, CHAT, _no_tool_choice, "function calling"),
     "functions": (UNSUPPORTED, CHAT, _falsy, "deprecated function calling"),

@@ -13,6 +13,7 @@ it is parsed as greedy (temperature 0), never passed on as "unset".
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,7 @@ class SamplingRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     logprobs: int | None = None  # None: off; k: the chosen token's and the top k alternatives
     include_stop_str_in_output: bool = False  # a matched stop string ends the text (vLLM)
+    json_schema: str | None = None  # response_format json_object / json_schema, as JSON text
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,7 @@ def parse_sampling(
         cache_salt=salt or None,
         logprobs=_logprobs(body, endpoint),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
+        json_schema=_response_format(body.get("response_format")),
         **processors,
     )
 
@@ -219,6 +222,27 @@ def _processors(body: dict[str, Any]) -> dict[str, Any]:
         "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
         "logit_bias": tuple(sorted(bias)),
     }
+
+
+def _response_format(raw: Any) -> str | None:
+    """``response_format`` as the JSON schema the output must match (None: free text)."""
+    if raw is None:
+        return None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps({"type": "object"})
+    if kind == "json_schema":
+        spec = raw.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise _bad(
+                "'response_format.json_schema.schema' must be a JSON schema object",
+                "response_format",
+            )
+        return json.dumps(schema, sort_keys=True)
+    raise _bad("'response_format.type' must be text, json_object or json_schema", "response_format")
 
 
 def _logprobs(body: dict[str, Any], endpoint: str) -> int | None:

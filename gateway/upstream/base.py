@@ -38,6 +38,7 @@ class Generation:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None: off; k: each token's logprob and the top k
+    json_schema: str | None = None  # response_format: the JSON schema the output follows
 
 
 @dataclass(frozen=True)

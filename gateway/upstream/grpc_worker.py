@@ -84,6 +84,8 @@ def _request(g: Generation) -> worker_pb2.GenerateRequest:
     sampling.logit_bias.update(dict(g.logit_bias))
     if g.logprobs is not None:
         sampling.logprobs = g.logprobs
+    if g.json_schema is not None:
+        sampling.json_schema = g.json_schema
     return worker_pb2.GenerateRequest(
         request_id=g.request_id,
         prompt_token_ids=list(g.prompt_ids),

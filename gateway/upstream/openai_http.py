@@ -54,6 +54,11 @@ def completion_body(g: Generation) -> dict[str, Any]:
         body["repetition_penalty"] = g.repetition_penalty
     if g.logit_bias:
         body["logit_bias"] = {str(t): b for t, b in g.logit_bias}
+    if g.json_schema is not None:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "response", "schema": json.loads(g.json_schema)},
+        }
     if g.logprobs is not None:
         body["logprobs"] = g.logprobs
         body["return_tokens_as_token_ids"] = True  # tokens come back as "token_id:<id>"

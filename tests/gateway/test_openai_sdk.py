@@ -3,6 +3,7 @@ a clear 400 ``unsupported_parameter`` (fake gRPC workers; real Redis, HTTP and t
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -19,16 +20,6 @@ UNSUPPORTED_CASES: list[tuple[str, dict[str, Any]]] = [
     ("chat", {"min_tokens": 3}),
     ("chat", {"guided_json": {"type": "object"}}),
     ("completion", {"skip_special_tokens": False}),
-    ("chat", {"response_format": {"type": "json_object"}}),
-    (
-        "chat",
-        {
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "x", "schema": {"type": "object"}},
-            }
-        },
-    ),
     (
         "chat",
         {
@@ -310,3 +301,30 @@ async def test_include_stop_str_in_output(gateway: Harness) -> None:
             model=MODEL, prompt="Hi", max_tokens=8, stop=[" three"], extra_body=extra
         )
         assert (out.choices[0].text, out.choices[0].finish_reason) == (expected, "stop")
+
+
+async def test_response_format_reaches_the_worker_as_a_schema(gateway: Harness) -> None:
+    worker, _ = await gateway.add_worker("w1", '{"a": 1}')
+    client = _sdk(gateway)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    await client.chat.completions.create(
+        model=MODEL,
+        messages=HELLO,
+        max_tokens=8,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )
+    assert json.loads(worker.requests[-1].sampling.json_schema) == schema
+    await client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=8, response_format={"type": "json_object"}
+    )
+    assert json.loads(worker.requests[-1].sampling.json_schema) == {"type": "object"}
+    await client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=8, response_format={"type": "text"}
+    )
+    assert worker.requests[-1].sampling.json_schema == ""
+    for bad in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"name": "x"}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(
+                model=MODEL, messages=HELLO, max_tokens=8, extra_body={"response_format": bad}
+            )
+        assert isinstance(err.value.body, dict) and err.value.body["param"] == "response_format"

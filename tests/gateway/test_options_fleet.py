@@ -208,3 +208,27 @@ def test_n_choices_share_the_prompt_blocks(pair: Pair) -> None:
     # The first choice computed the prompt; the other two found its 4 full blocks cached.
     after = _metric(worker_url, "kvroute_worker_cached_prompt_tokens_total")
     assert after - before == 2 * 64
+
+
+def test_response_format_json_schema_through_the_gateway(pair: Pair) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "enum": [1, 2, 3]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    for seed in range(3):
+        out = pair.client().chat.completions.create(
+            model=pair.name,
+            messages=[{"role": "user", "content": "Answer in JSON"}],
+            max_tokens=48,
+            temperature=1.0,
+            seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+        )
+        content = out.choices[0].message.content or ""
+        assert out.choices[0].finish_reason == "stop", content
+        value = json.loads(content)
+        assert (
+            set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and value["n"] in (1, 2, 3)
+        )

@@ -21,7 +21,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     [
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("tool_choice", "auto"),
-        ("response_format", {"type": "json_object"}),
+        ("web_search_options", {}),
         ("functions", [{"name": "f"}]),
         ("audio", {"voice": "x"}),
         ("prediction", {"type": "content", "content": "x"}),
@@ -76,6 +76,21 @@ def test_neutral_values_and_supported_options_parse_exactly() -> None:
     assert parse_chat({**CHAT, "logprobs": False}).sampling.logprobs is None
     assert parse_completion({"prompt": "x", "logprobs": 2}).sampling.logprobs == 2
     assert parse_completion({"prompt": "x", "logprobs": 0}).sampling.logprobs == 0
+
+
+def test_response_format_is_the_json_schema_text() -> None:
+    import json
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    assert json.loads(parse_chat({**CHAT, "response_format": rf}).sampling.json_schema) == schema
+    as_object = parse_chat({**CHAT, "response_format": {"type": "json_object"}}).sampling
+    assert json.loads(as_object.json_schema or "") == {"type": "object"}
+    assert parse_chat({**CHAT, "response_format": {"type": "text"}}).sampling.json_schema is None
+    for bad in ({"type": "yaml"}, {"type": "json_schema"}, "json"):
+        with pytest.raises(APIError) as err:
+            parse_chat({**CHAT, "response_format": bad})
+        assert err.value.param == "response_format"
 
 
 def test_every_unsupported_option_has_a_default_that_passes() -> None:

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from contract.hashing import HashSpec
@@ -97,3 +99,52 @@ async def test_engine_logprobs_equal_hf_log_softmax_and_penalties_change_output(
         assert out[0] != plain[0]
     finally:
         engine.shutdown()
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+async def test_json_schema_output_validates_on_20_prompts(smollm2: Path) -> None:
+    import json
+
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    from worker.model.logits_processors import Grammars
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    runner = ModelRunner(smollm2, block_size=16, num_blocks=1024)
+    engine = Engine(runner, EngineConfig(), hash_spec=HashSpec(block_size=16, model="s"))
+    engine.grammars = Grammars(smollm2)
+    engine.start()
+    schema = json.dumps(SCHEMA)
+    topics = ["a baker", "a pilot", "a child", "a poet", "a doctor"]
+
+    async def one(i: int) -> str:
+        text = f"Invent {topics[i % 5]} (number {i}) and answer in JSON."
+        rendered = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tok.encode(rendered, add_special_tokens=False)
+        params = SamplingParams(max_tokens=80, temperature=0.7, seed=i, json_schema=schema)
+        out = [t async for o in engine.generate(f"j{i}", ids, params) for t in o.new_token_ids]
+        return str(tok.decode(out, skip_special_tokens=True))
+
+    try:
+        texts = await asyncio.gather(*(one(i) for i in range(20)))
+        with pytest.raises(ValueError, match="response_format"):
+            bad = SamplingParams(max_tokens=4, json_schema='{"type": 5}')
+            [o async for o in engine.generate("bad", [1, 2, 3], bad)]
+    finally:
+        engine.shutdown()
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)

@@ -144,6 +144,7 @@ class Engine:
         self._pin_results: dict[str, concurrent.futures.Future[int]] = {}
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self.grammars: Any = None  # logits_processors.Grammars, set by the server (optional)
         self._beat = time.monotonic()  # last time the engine thread went round its loop
         self._rates = RateMeter(config.rate_ema_alpha)
         self._counters = dict.fromkeys(("prompt", "cached", "generation", "requests"), 0)
@@ -220,6 +221,11 @@ class Engine:
         output, as Hugging Face ``generate`` does.
         """
         seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt, lora)
+        if params.json_schema is not None:
+            if self.grammars is None:
+                raise ValueError("response_format: this worker has no structured output")
+            # Compiled off the loop (the first one also builds the grammar tokenizer).
+            seq.constraint = await asyncio.to_thread(self.grammars.matcher, params.json_schema)
         self._check_running()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
@@ -402,10 +408,16 @@ class Engine:
         """Sampling with logits processors (penalties, bias, min_p) and/or logprobs."""
         from worker.model import logits_processors as lp
 
+        constraints = [s.constraint for s in seqs]
         processed = lp.process(
-            logits, params, [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs]
+            logits,
+            params,
+            [s.token_ids for s in seqs],
+            [s.num_prompt_tokens for s in seqs],
+            constraints,
         )
         tokens = list(self.sampler.sample(processed, params, [s.generator for s in seqs]))
+        lp.advance(constraints, tokens)
         for seq, logprob in zip(seqs, lp.token_logprobs(logits, tokens, params), strict=True):
             seq.last_logprob = logprob
         return tokens

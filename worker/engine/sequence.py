@@ -37,6 +37,7 @@ class SamplingParams:
     min_p: float = 0.0  # drops tokens below min_p x the likeliest token's probability
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int | None = None  # None: off; k: the chosen token's and the top k's log-probs
+    json_schema: str | None = None  # response_format: output constrained to this JSON schema
 
     @property
     def needs_processing(self) -> bool:
@@ -47,6 +48,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.min_p
             or self.logit_bias
+            or self.json_schema is not None
         )
 
     def validate(self, vocab_size: int) -> None:
@@ -158,6 +160,7 @@ class Sequence:
     finish_reason: str | None = None
     generator: Any = None  # the sampler's per-request RNG (seeded requests only)
     last_logprob: Any = None  # the newest token's TokenLogprob (requests with logprobs only)
+    constraint: Any = None  # response_format's grammar state (logits_processors.Constraint)
     token_times: list[float] = field(default_factory=list)  # time.monotonic() of each token
     first_scheduled_time: float | None = None
     num_preemptions: int = 0

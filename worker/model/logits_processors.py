@@ -9,6 +9,11 @@ tokens whose probability at the request's temperature is below ``min_p`` times t
 likeliest one's. Rows that ask for nothing are never touched, so greedy output of
 a plain request stays token-identical.
 
+``response_format`` (``json_object`` / ``json_schema``) is constrained decoding with
+llguidance: each such sequence owns an ``LLMatcher`` (``Grammars.matcher``) whose
+token mask is applied last, so every sampled token keeps the text a prefix of a
+document the schema accepts, and end-of-sequence is allowed only once it is complete.
+
 ``token_logprobs`` reads log-probabilities from the model's raw logits (before any
 processor, temperature or filter: vLLM's default ``raw_logprobs``), so a value is
 exactly ``log_softmax(logits)[token]`` of the step that chose it.
@@ -17,8 +22,11 @@ exactly ``log_softmax(logits)[token]`` of the step that chose it.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,11 +48,85 @@ def needs_processing(params: Sequence[SamplingParams]) -> bool:
     return any(p.needs_processing for p in params)
 
 
+class Grammars:
+    """Compiles JSON schemas into per-sequence matchers over the model's tokenizer.
+
+    The llguidance tokenizer is built on first use (about 2 s for a 49k vocabulary)
+    from the model folder's own tokenizer, so workers that never see a
+    ``response_format`` never pay for it.
+    """
+
+    def __init__(self, model_dir: Path | str) -> None:
+        self._model_dir = str(model_dir)
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    def _llg_tokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+                from transformers import AutoTokenizer
+
+                hf = AutoTokenizer.from_pretrained(self._model_dir)
+                self._tokenizer = llguidance.hf.from_tokenizer(hf)
+            return self._tokenizer
+
+    def matcher(self, json_schema: str) -> Any:
+        """A fresh ``LLMatcher`` for ``json_schema`` (JSON text); ``ValueError`` if invalid."""
+        import llguidance
+
+        tokenizer = self._llg_tokenizer()
+        try:
+            # No free whitespace: a small model could otherwise spend its tokens on it.
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                json_schema, defaults={"whitespace_flexible": False}
+            )
+        except (ValueError, RuntimeError, TypeError) as exc:
+            raise ValueError(f"response_format: the JSON schema is not usable: {exc}") from exc
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
+        if matcher.is_error():
+            error = matcher.get_error()
+            raise ValueError(f"response_format: the JSON schema is not usable: {error}")
+        return Constraint(matcher, int(tokenizer.vocab_size))
+
+
+@dataclass
+class Constraint:
+    """One sequence's grammar state (an ``LLMatcher``) and the tokenizer's vocabulary size."""
+
+    matcher: Any
+    vocab: int
+
+    def mask(self, row: torch.Tensor) -> None:
+        """Sets to -inf every logit the grammar forbids next (and ids past the vocabulary)."""
+        import llguidance.torch
+
+        bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab)
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, 0)
+        bits = bitmask[0].to(torch.int64) & 0xFFFFFFFF
+        shifts = torch.arange(32, dtype=torch.int64)
+        allowed = ((bits[:, None] >> shifts[None, :]) & 1).flatten()[: self.vocab].bool()
+        row[: self.vocab].masked_fill_(~allowed.to(row.device), float("-inf"))
+        row[self.vocab :] = float("-inf")
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.is_stopped():
+            self.matcher.consume_token(token)
+
+
+def advance(constraints: Sequence[Constraint | None], tokens: Sequence[int]) -> None:
+    """Feeds each constrained row's sampled token to its grammar."""
+    for constraint, token in zip(constraints, tokens, strict=True):
+        if constraint is not None:
+            constraint.accept(int(token))
+
+
 def process(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     token_ids: Sequence[Sequence[int]],
     prompt_lens: Sequence[int],
+    constraints: Sequence[Constraint | None] = (),
 ) -> torch.Tensor:
     """``logits`` [N, vocab] with each row's processors applied (a new tensor if any applies).
 
@@ -79,6 +161,9 @@ def process(
             # p_j < min_p * p_max  <=>  (l_j - l_max) / T < ln(min_p)
             floor = row.max() + p.temperature * math.log(p.min_p)
             row.masked_fill_(row < floor, float("-inf"))
+        constraint = constraints[i] if i < len(constraints) else None
+        if constraint is not None:
+            constraint.mask(row)
     return out
 
 

@@ -110,6 +110,10 @@ class WorkerProcess:
         self.engine = Engine(
             runner, engine_config, hash_spec=spec, on_events=events.put, sampler=sampler
         )
+        if cfg.engine != "emulated":
+            from worker.model.logits_processors import Grammars
+
+            self.engine.grammars = Grammars(model_dir)  # response_format, built on first use
         self.engine.start()
         metrics = WorkerMetrics(
             self.engine, cfg.worker_id, cfg.served_model_name if cfg.vllm_metrics else None

@@ -51,6 +51,7 @@ def sampling_from_proto(
         min_p=float(msg.min_p),
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in msg.logit_bias.items())),
         logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None,
+        json_schema=msg.json_schema or None,
     )
 
 

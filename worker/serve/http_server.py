@@ -236,6 +236,7 @@ def _engine_params(s: SamplingRequest, prompt_len: int, max_model_len: int) -> S
         min_p=s.min_p,
         logit_bias=s.logit_bias,
         logprobs=s.logprobs,
+        json_schema=s.json_schema,
     )
 
 
