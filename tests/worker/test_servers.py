@@ -713,3 +713,11 @@ async def test_http_front_serves_n_choices_and_logprobs(stack: Stack) -> None:
         for c in chunk.choices:
             texts[c.index] += c.text
     assert texts == {0: out.choices[0].text, 1: out.choices[1].text}  # same seeds, same draws
+
+
+async def test_reset_prefix_cache_over_http_clears_the_pool_and_redis(stack: Stack) -> None:
+    await stack.generate(random_ids(40, 11), max_tokens=2)
+    assert await stack.wait_set_matches_pool()  # two full blocks cached, in Redis too
+    async with stack.http.post("/reset_prefix_cache") as resp:
+        assert resp.status == 200
+    assert await stack.wait_set_matches_pool() == set()

@@ -279,16 +279,6 @@ class Engine:
         self._submit(add)
         return result.result(timeout)
 
-    def unpin_prefix(
-        self, token_ids: list[int], cache_salt: str = "", *, timeout: float | None = None
-    ) -> int:
-        """Releases one pin on each block of a pinned prefix; returns how many were released."""
-        probe = Seq("unpin", list(token_ids), SamplingParams(), self._spec(cache_salt, ""))
-        return self._call(
-            lambda: self.pool.unpin(self.pool.match_prefix(probe.block_hashes, probe.token_ids)),
-            timeout,
-        )
-
     def reset_prefix_cache(self, *, timeout: float | None = None) -> bool:
         """Forgets every cached block (``AllBlocksCleared``); ``False`` while blocks are in use."""
         return self._call(self.pool.reset, timeout)

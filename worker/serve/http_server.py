@@ -117,6 +117,7 @@ def create_app(
     # The gateway's probe paths too: one convention across the project.
     app.router.add_get("/healthz", health)
     app.router.add_get("/readyz", health)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/get_load", get_load)
     for path in ("/server_info", "/model_info", "/get_server_info", "/get_model_info"):
@@ -612,6 +613,13 @@ async def models(request: web.Request) -> web.Response:
             ],
         }
     )
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's ``POST /reset_prefix_cache``: forget every cached block (announced to Redis)."""
+    if not await _off_loop(request.app[ENGINE].reset_prefix_cache):
+        raise APIError(409, "blocks are in use; retry when the worker is idle", code="busy")
+    return web.json_response({"status": "ok"})
 
 
 async def health(request: web.Request) -> web.Response:
