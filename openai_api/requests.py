@@ -28,6 +28,7 @@ MAX_CHOICES = 16  # n: choices per request
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+MAX_TOKEN_ID = 2**32  # token ids travel as uint32 (proto); anything larger is a 400 here
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,9 @@ def _token_ids(value: Any, name: str) -> tuple[int, ...]:
     if value is None:
         return ()
     if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID for t in value
     ):
-        raise _bad(f"'{name}' must be a list of non-negative integer token ids", name)
+        raise _bad(f"'{name}' must be a list of token ids (integers 0 to 2^32 - 1)", name)
     return tuple(value)
 
 
@@ -212,7 +213,12 @@ def _processors(body: dict[str, Any]) -> dict[str, Any]:
             except (TypeError, ValueError):
                 raise _bad(f"'logit_bias' key {key!r} is not a token id", "logit_bias") from None
             ok = isinstance(value, int | float) and not isinstance(value, bool)
-            if token < 0 or not ok or not math.isfinite(value) or not -100 <= value <= 100:
+            if (
+                not 0 <= token < MAX_TOKEN_ID
+                or not ok
+                or not math.isfinite(value)
+                or not -100 <= value <= 100
+            ):
                 raise _bad("'logit_bias' maps token ids to numbers in [-100, 100]", "logit_bias")
             bias.append((token, float(value)))
     return {
@@ -330,7 +336,9 @@ def parse_completion(body: Any) -> CompletionRequest:
     if (
         isinstance(prompt, list)
         and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+        and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID for t in prompt
+        )
     ):
         return CompletionRequest(sampling, tuple(prompt))
     raise _bad("'prompt' must be a non-empty string or list of token ids (one prompt)", "prompt")

@@ -111,3 +111,20 @@ def test_include_stop_keeps_the_stop_string(smollm2: Path) -> None:
         d = Detokenizer(tok, [], [" three"], include_stop=include)
         text = d.push(ids) + d.finish()
         assert d.stopped and text == expected and d.output_text == expected
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"stop_token_ids": [2**32]},
+        {"stop_token_ids": [19286568858330295117248515276800]},  # found by the fuzz suite
+        {"logit_bias": {str(2**40): 1}},
+    ],
+)
+def test_token_ids_beyond_uint32_are_a_400_not_a_500(extra: dict) -> None:
+    from openai_api.errors import APIError
+    from openai_api.requests import parse_chat
+
+    with pytest.raises(APIError) as err:
+        parse_chat({"messages": [{"role": "user", "content": "x"}], **extra})
+    assert err.value.status == 400 and err.value.param == next(iter(extra))
