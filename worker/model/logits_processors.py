@@ -67,7 +67,7 @@ class Grammars:
                 import llguidance.hf
                 from transformers import AutoTokenizer
 
-                hf = AutoTokenizer.from_pretrained(self._model_dir)
+                hf: Any = AutoTokenizer.from_pretrained(self._model_dir)
                 self._tokenizer = llguidance.hf.from_tokenizer(hf)
             return self._tokenizer
 

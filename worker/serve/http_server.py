@@ -23,9 +23,8 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -33,45 +32,34 @@ from aiohttp import web
 from openai_api.detokenizer import Detokenizer
 from openai_api.errors import APIError
 from openai_api.logprobs import TokenLogprobs, chat_logprobs, completion_logprobs, decoder
-from openai_api.requests import (
-    ChatRequest,
-    SamplingRequest,
-    parse_chat,
-    parse_completion,
-    parse_messages,
-)
 from openai_api.responses import usage_dict
 from worker.engine.core import EngineError
-from worker.engine.sequence import SamplingParams
-from worker.serve.metrics import CONTENT_TYPE, WorkerMetrics
+from worker.serve.http_helpers import (
+    chat_render,
+    detokenize,
+    get_load,
+    health,
+    metrics_handler,
+    models,
+    not_provided,
+    render_completion,
+    reset_prefix_cache,
+    tokenize,
+)
+from worker.serve.http_request import (
+    ENGINE,
+    INFO,
+    METRICS,
+    TOKENIZER,
+    FrontInfo,
+    Job,
+    error_from,
+    error_response,
+    parse_job,
+)
+from worker.serve.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FrontInfo:
-    """Static facts the HTTP front reports."""
-
-    model_name: str
-    worker_id: str
-    max_model_len: int
-    trust_body_salt: bool = False
-    stall_s: float = 10.0  # /health fails past this long without an engine step
-
-
-# The engine and tokenizer are duck-typed (worker.engine.core.Engine, a transformers tokenizer).
-ENGINE: web.AppKey[Any] = web.AppKey("engine")
-TOKENIZER: web.AppKey[Any] = web.AppKey("tokenizer")
-METRICS = web.AppKey("metrics", WorkerMetrics)
-INFO = web.AppKey("info", FrontInfo)
-
-
-def error_response(message: str, status: int = 400, param: str | None = None) -> web.Response:
-    return _error(APIError(status, message, param=param))
-
-
-def _error(exc: APIError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
 
 
 @web.middleware
@@ -79,7 +67,7 @@ async def _errors(request: web.Request, handler: Callable[..., Any]) -> web.Stre
     try:
         return await handler(request)
     except APIError as exc:
-        return _error(exc)
+        return error_from(exc)
     except EngineError as exc:
         logger.error("request to %s failed: %s", request.path, exc)
         return error_response(str(exc), 500)
@@ -109,7 +97,7 @@ def create_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions/render", render_completion)
-    app.router.add_post("/v1/chat/completions/render", render_chat)
+    app.router.add_post("/v1/chat/completions/render", chat_render)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
@@ -140,144 +128,6 @@ async def start_http_server(
     await site.start()
     bound = int(runner.addresses[0][1]) if runner.addresses else port
     return runner, bound
-
-
-# --- request parsing ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Job:
-    """One parsed generation request, its prompt tokenized."""
-
-    kind: str  # "chat" | "completion"
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool  # stream_options.continuous_usage_stats: usage in every chunk
-    cache_salt: str
-    n: int = 1  # choices: one engine request each (the others after the first's first token)
-    include_stop: bool = False  # include_stop_str_in_output
-
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"invalid JSON body: {exc}", code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    return body
-
-
-def _check_model(request: web.Request, model: str) -> None:
-    served = request.app[INFO].model_name
-    if model and model != served:
-        raise APIError(
-            404,
-            f"the model '{model}' does not exist; this worker serves '{served}'",
-            param="model",
-            code="model_not_found",
-        )
-
-
-async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-
-def _render(tokenizer: Any, req: ChatRequest | tuple[dict[str, Any], ...]) -> str:
-    """The prompt text the model sees: the folder's chat template over the messages."""
-    if isinstance(req, ChatRequest):
-        messages, add_gen, kwargs = (
-            req.messages,
-            req.add_generation_prompt,
-            dict(req.template_kwargs),
-        )
-    else:
-        messages, add_gen, kwargs = req, True, {}
-    try:
-        return str(
-            tokenizer.apply_chat_template(
-                [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_gen, **kwargs
-            )
-        )
-    except Exception as exc:  # jinja2 raises TemplateError or anything a template raises
-        raise APIError(
-            400, f"the chat template rejected the messages: {exc}", param="messages"
-        ) from exc
-
-
-def _encode_chat(tokenizer: Any, req: ChatRequest | tuple[dict[str, Any], ...]) -> list[int]:
-    # The template already wrote the special tokens; do not add a second BOS.
-    return list(tokenizer.encode(_render(tokenizer, req), add_special_tokens=False))
-
-
-def _engine_params(s: SamplingRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
-    if prompt_len >= max_model_len:
-        raise APIError(
-            400,
-            f"the prompt has {prompt_len} tokens; this model's context is {max_model_len}",
-            code="context_length_exceeded",
-        )
-    # Unset means "as much as fits": the engine rejects prompt + max_tokens > context.
-    max_tokens = s.max_tokens if s.max_tokens is not None else max_model_len - prompt_len
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed,
-        stop_token_ids=s.stop_token_ids,
-        ignore_eos=s.ignore_eos,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty,
-        min_p=s.min_p,
-        logit_bias=s.logit_bias,
-        logprobs=s.logprobs,
-        json_schema=s.json_schema,
-    )
-
-
-async def _parse_job(request: web.Request, kind: str) -> Job:
-    body = await _json_body(request)
-    tokenizer = request.app[TOKENIZER]
-    if kind == "chat":
-        chat = parse_chat(body)
-        sampling = chat.sampling
-        _check_model(request, sampling.model)
-        prompt_ids = await _off_loop(_encode_chat, tokenizer, chat)
-    else:
-        completion = parse_completion(body)
-        sampling = completion.sampling
-        _check_model(request, sampling.model)
-        if isinstance(completion.prompt, str):
-            prompt_ids = await _off_loop(
-                lambda: list(tokenizer.encode(completion.prompt, add_special_tokens=True))
-            )
-        else:
-            prompt_ids = list(completion.prompt)
-    info = request.app[INFO]
-    params = _engine_params(sampling, len(prompt_ids), info.max_model_len)
-    try:
-        params.validate(request.app[ENGINE].vocab_size)
-    except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_value") from exc
-    return Job(
-        kind=kind,
-        request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex,
-        prompt_ids=prompt_ids,
-        params=params,
-        stop=sampling.stop,
-        stream=sampling.stream,
-        include_usage=sampling.include_usage,
-        continuous_usage=sampling.continuous_usage_stats,
-        n=sampling.n,
-        include_stop=sampling.include_stop_str_in_output,
-        cache_salt=(sampling.cache_salt or "") if info.trust_body_salt else "",
-    )
 
 
 # --- generation -----------------------------------------------------------------------------
@@ -418,7 +268,7 @@ async def _collect(runs: list[_Run]) -> list[str]:
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
-    job = await _parse_job(request, kind)
+    job = await parse_job(request, kind)
     runs = [_Run(request, job)] + [_Run(request, _nth_choice(job, i)) for i in range(1, job.n)]
     info = request.app[INFO]
     created = int(time.time())
@@ -526,132 +376,3 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "chat")
-
-
-# --- helpers for other routers --------------------------------------------------------------
-
-
-async def render_completion(request: web.Request) -> web.Response:
-    body = await _json_body(request)
-    completion = parse_completion(body)
-    _check_model(request, completion.sampling.model)
-    prompt = completion.prompt
-    if isinstance(prompt, str):
-        tokenizer = request.app[TOKENIZER]
-        ids = await _off_loop(lambda: list(tokenizer.encode(prompt, add_special_tokens=True)))
-    else:
-        ids = list(prompt)
-    return web.json_response({"token_ids": ids})
-
-
-async def render_chat(request: web.Request) -> web.Response:
-    body = await _json_body(request)
-    chat = parse_chat(body)
-    _check_model(request, chat.sampling.model)
-    tokenizer = request.app[TOKENIZER]
-    text = await _off_loop(_render, tokenizer, chat)
-    ids = await _off_loop(lambda: list(tokenizer.encode(text, add_special_tokens=False)))
-    return web.json_response({"token_ids": ids, "prompt": text})
-
-
-def _int_list(value: Any, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
-    ):
-        raise APIError(400, f"'{what}' must be a list of non-negative token ids", param=what)
-    return value
-
-
-async def tokenize(request: web.Request) -> web.Response:
-    """vLLM's ``/tokenize``: ``{"prompt": ...}`` or ``{"messages": [...]}``."""
-    body = await _json_body(request)
-    tokenizer = request.app[TOKENIZER]
-    if "messages" in body:
-        ids = await _off_loop(_encode_chat, tokenizer, parse_messages(body["messages"]))
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise APIError(400, "'prompt' must be a string", param="prompt")
-        add_special = body.get("add_special_tokens", True) is not False
-        ids = await _off_loop(
-            lambda: list(tokenizer.encode(prompt, add_special_tokens=add_special))
-        )
-    return web.json_response(
-        {
-            "tokens": ids,
-            "token_ids": ids,
-            "count": len(ids),
-            "max_model_len": request.app[INFO].max_model_len,
-        }
-    )
-
-
-async def detokenize(request: web.Request) -> web.Response:
-    body = await _json_body(request)
-    key = "tokens" if "tokens" in body else "token_ids"
-    ids = _int_list(body.get(key), key)
-    if ids and max(ids) >= request.app[ENGINE].vocab_size:
-        raise APIError(400, "a token id is outside the vocabulary", param=key)
-    text = await _off_loop(lambda: request.app[TOKENIZER].decode(ids))
-    return web.json_response({"prompt": text})
-
-
-async def models(request: web.Request) -> web.Response:
-    info = request.app[INFO]
-    return web.json_response(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": info.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "kvroute",
-                    "root": info.model_name,
-                    "max_model_len": info.max_model_len,
-                }
-            ],
-        }
-    )
-
-
-async def reset_prefix_cache(request: web.Request) -> web.Response:
-    """vLLM's ``POST /reset_prefix_cache``: forget every cached block (announced to Redis)."""
-    if not await _off_loop(request.app[ENGINE].reset_prefix_cache):
-        raise APIError(409, "blocks are in use; retry when the worker is idle", code="busy")
-    return web.json_response({"status": "ok"})
-
-
-async def health(request: web.Request) -> web.Response:
-    """200 while the engine steps; 503 when its thread died or is stuck (a liveness probe)."""
-    info = request.app[INFO]
-    problem = request.app[ENGINE].health(info.stall_s)
-    if problem is not None:
-        body = {"status": "unhealthy", "reason": problem, "worker_id": info.worker_id}
-        return web.json_response(body, status=503)
-    return web.json_response({"status": "ok", "worker_id": info.worker_id})
-
-
-async def metrics_handler(request: web.Request) -> web.Response:
-    body = request.app[METRICS].render()
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
-
-
-async def get_load(request: web.Request) -> web.Response:
-    """sglang-router's load probe (it reads ``load``), with the engine's detail beside it."""
-    stats = request.app[ENGINE].stats()
-    return web.json_response(
-        {
-            "load": int(stats.running) + int(stats.waiting),
-            "running": int(stats.running),
-            "waiting": int(stats.waiting),
-            "queued_prefill_tokens": int(stats.queued_prefill_tokens),
-            "free_blocks": int(stats.free_blocks),
-            "num_blocks": int(stats.num_blocks),
-        }
-    )
-
-
-async def not_provided(request: web.Request) -> web.Response:
-    # Deliberately absent: sglang-router would otherwise fetch a tokenizer from here.
-    return error_response(f"{request.path} is not provided by a kvroute worker", 404)
