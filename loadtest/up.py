@@ -82,10 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         sys.stderr.write(f"kvroute up: {exc}\n")
         return 2
-    # SIGTERM ends the fleet as cleanly as Ctrl-C does (children get SIGTERM too).
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # SIGTERM ends the fleet as cleanly as Ctrl-C does (children get SIGTERM too), and is a
+    # normal stop (exit 0) wherever it lands, even while the "fleet up" line is written.
+    terminated: list[int] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        with Fleet(config) as fleet:
+        with Fleet(config) as fleet, contextlib.suppress(KeyboardInterrupt):
             logger.info(
                 "fleet up: gateway %s (dashboard %s/dashboard), %d workers, redis %s, logs in %s/",
                 fleet.gateway_url,
@@ -94,18 +101,17 @@ def main(argv: list[str] | None = None) -> int:
                 redact(fleet.redis_url),
                 config.log_dir,
             )
-            with contextlib.suppress(KeyboardInterrupt):
-                while all(p.poll() is None for p in fleet.processes()):
-                    time.sleep(0.5)
-                for name, proc in fleet.named_processes():
-                    if proc.poll() is not None:
-                        logger.error("%s exited with %s; stopping the fleet", name, proc.returncode)
-                        return 1
+            while all(p.poll() is None for p in fleet.processes()):
+                time.sleep(0.5)
+            for name, proc in fleet.named_processes():
+                if proc.poll() is not None:
+                    logger.error("%s exited with %s; stopping the fleet", name, proc.returncode)
+                    return 1
     except (RuntimeError, TimeoutError, OSError) as exc:
         sys.stderr.write(f"kvroute up: {exc}\n")
         return 1
     except KeyboardInterrupt:
-        return 130
+        return 0 if terminated else 130
     return 0
 
 
