@@ -121,6 +121,7 @@ class Relay:
         self._decode = decoder(tokenizer)
         self._choices: list[_Choice] = []
         self._resp: web.StreamResponse | None = None
+        self._header_worker = ""  # the worker the response headers named
         self._created = int(time.time())
 
     def attach(self, streams: list[Stream]) -> None:
@@ -202,8 +203,11 @@ class Relay:
         """Sends the status line, the routing headers and the chat role chunk(s).
 
         Called once the router chose ``worker_id``; if that worker fails before its
-        first token and another one serves, the headers still name the first choice.
+        first token and another one serves, the headers still name the first choice,
+        so ``sse`` then names the serving worker in an SSE comment line
+        (``: x-kvroute-worker: ID``), which clients ignore and tools can read.
         """
+        self._header_worker = worker_id
         resp = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -240,6 +244,11 @@ class Relay:
 
     async def sse(self) -> web.StreamResponse:
         """Relays the attached streams as events after ``start_sse``."""
+        if self._resp is not None and self.stream.worker_id != self._header_worker:
+            await self._resp.write(
+                f": x-kvroute-worker: {self.stream.worker_id}\n"
+                f": x-kvroute-reason: {self.stream.reason}\n\n".encode()
+            )
         queue: asyncio.Queue[tuple[_Choice, str, str | None] | BaseException | None] = (
             asyncio.Queue()
         )

@@ -354,3 +354,23 @@ async def test_api_keys_and_tenant_salt(make_gateway: MakeGateway, tmp_path) -> 
     assert (await gateway.client.get("/dashboard/data")).status == 401
     ok = await gateway.client.get("/dashboard/data", headers={"Authorization": "Bearer sk-beta"})
     assert ok.status == 200
+
+
+async def test_a_stream_retried_after_its_headers_names_the_serving_worker(
+    gateway: Harness,
+) -> None:
+    import grpc
+
+    _, bad_reg = await gateway.add_worker("a", fail=grpc.StatusCode.UNAVAILABLE)
+    _, good_reg = await gateway.add_worker("b", "fine")
+    messages = [{"role": "user", "content": "another long shared context " * 20}]
+    hashes = gateway.chat_hashes(messages)
+    await good_reg.store(hashes[:1])
+    await bad_reg.store(hashes)
+    await eventually(lambda: gateway.state.index.block_count("a") == len(hashes))
+    resp = await gateway.chat(messages, stream=True)
+    body = await resp.text()
+    # Headers went out when the router picked a (by cache); a failed before its first token.
+    assert resp.headers["x-kvroute-worker"] == "a"
+    assert ": x-kvroute-worker: b\n: x-kvroute-reason: retry\n" in body
+    assert body.rstrip().endswith("data: [DONE]")

@@ -180,6 +180,10 @@ async def stream(
             return result
         async for raw in resp.content:
             line = raw.strip()
+            if line.startswith(b": x-kvroute-worker: "):
+                # Retried after the headers went out: the gateway names the serving worker.
+                result.worker = line.split(b": ", 2)[2].decode()
+                continue
             if not line.startswith(b"data: "):
                 continue
             payload = line[len(b"data: ") :]
