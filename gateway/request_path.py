@@ -289,20 +289,8 @@ def generation(
         request_id=rid,
         prompt_ids=prompt.ids,
         max_tokens=max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed,
-        ignore_eos=s.ignore_eos,
-        stop_token_ids=s.stop_token_ids,
         cache_salt=tenant.cache_salt,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty,
-        min_p=s.min_p,
-        logit_bias=s.logit_bias,
-        logprobs=s.logprobs,
-        json_schema=s.json_schema,
+        **s.engine_options(),
     )
 
 

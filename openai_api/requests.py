@@ -28,6 +28,21 @@ MAX_CHOICES = 16  # n: choices per request
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+ENGINE_OPTIONS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
+    "logprobs",
+    "json_schema",
+)
 MAX_TOKEN_ID = 2**32  # token ids travel as uint32 (proto); anything larger is a 400 here
 
 
@@ -58,6 +73,11 @@ class SamplingRequest:
     logprobs: int | None = None  # None: off; k: the chosen token's and the top k alternatives
     include_stop_str_in_output: bool = False  # a matched stop string ends the text (vLLM)
     json_schema: str | None = None  # response_format json_object / json_schema, as JSON text
+
+    def engine_options(self) -> dict[str, Any]:
+        """What every engine is told besides the prompt and ``max_tokens``: the one list of
+        sampling fields the gateway's ``Generation`` and the worker's ``SamplingParams`` share."""
+        return {name: getattr(self, name) for name in ENGINE_OPTIONS}
 
 
 @dataclass(frozen=True)

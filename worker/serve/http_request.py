@@ -135,22 +135,7 @@ def engine_params(s: SamplingRequest, prompt_len: int, max_model_len: int) -> Sa
         )
     # Unset means "as much as fits": the engine rejects prompt + max_tokens > context.
     max_tokens = s.max_tokens if s.max_tokens is not None else max_model_len - prompt_len
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed,
-        stop_token_ids=s.stop_token_ids,
-        ignore_eos=s.ignore_eos,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty,
-        min_p=s.min_p,
-        logit_bias=s.logit_bias,
-        logprobs=s.logprobs,
-        json_schema=s.json_schema,
-    )
+    return SamplingParams(max_tokens=max_tokens, **s.engine_options())
 
 
 async def parse_job(request: web.Request, kind: str) -> Job:
