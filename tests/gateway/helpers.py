@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+from gateway.routing.mirror import IndexMirror
 
 
 async def eventually(
@@ -26,3 +29,15 @@ async def eventually(
 def namespace() -> str:
     """A fresh Redis namespace, so tests sharing one Redis never see each other."""
     return "t" + uuid.uuid4().hex[:12]
+
+
+@contextlib.asynccontextmanager
+async def running(mirror: IndexMirror) -> AsyncIterator[IndexMirror]:
+    """``mirror.run()`` as a background task for the duration of the block."""
+    task = asyncio.create_task(mirror.run())
+    try:
+        yield mirror
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -16,21 +14,10 @@ from contract.redis_layout import RedisLayout
 from gateway.routing.index import BlockIndex
 from gateway.routing.mirror import IndexMirror
 from tests.gateway.fakes import FakeRegistration
-from tests.gateway.helpers import eventually, namespace
+from tests.gateway.helpers import eventually, namespace, running
 from tests.support import RedisProcess
 
 SPEC = HashSpec(block_size=4, model="m")
-
-
-@contextlib.asynccontextmanager
-async def running(mirror: IndexMirror) -> AsyncIterator[IndexMirror]:
-    task = asyncio.create_task(mirror.run())
-    try:
-        yield mirror
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 @pytest.fixture

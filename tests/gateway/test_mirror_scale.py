@@ -14,14 +14,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,22 +34,11 @@ from contract.redis_layout import RedisLayout, WorkerRecord, decode_block_set
 from gateway.routing.index import BlockIndex
 from gateway.routing.mirror import IndexMirror
 from tests.gateway.fakes import FakeRegistration
-from tests.gateway.helpers import eventually, namespace
+from tests.gateway.helpers import eventually, namespace, running
 from tests.support import free_port, wait_for_port
 from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
 
 SPEC = HashSpec(block_size=4, model="m")
-
-
-@contextlib.asynccontextmanager
-async def running(mirror: IndexMirror) -> AsyncIterator[IndexMirror]:
-    task = asyncio.create_task(mirror.run())
-    try:
-        yield mirror
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def _redis_sets(client: Any, layout: RedisLayout, wids: list[str]) -> dict[str, set[int]]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -17,20 +15,9 @@ from gateway.routing.mirror import IndexMirror
 from gateway.text.fingerprint import tokenizer_fingerprint
 from gateway.text.tokenizer import ChatTokenizer
 from tests.gateway.fakes import FakeRegistration
-from tests.gateway.helpers import eventually, namespace
+from tests.gateway.helpers import eventually, namespace, running
 
 SPEC = HashSpec(block_size=4, model="m")
-
-
-@contextlib.asynccontextmanager
-async def running(mirror: IndexMirror) -> AsyncIterator[IndexMirror]:
-    task = asyncio.create_task(mirror.run())
-    try:
-        yield mirror
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def test_mismatched_fingerprints_are_not_routed_to(redis_url: str) -> None:
