@@ -32,18 +32,24 @@ def completion_choice(
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def chat_response(
-    rid: str, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
+def _response(
+    obj: str, rid: str, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
 ) -> dict[str, Any]:
-    """A chat completion; ``choices`` from ``chat_choice``."""
     return {
         "id": rid,
-        "object": "chat.completion",
+        "object": obj,
         "created": int(time.time()),
         "model": model,
         "choices": choices,
         "usage": usage,
     }
+
+
+def chat_response(
+    rid: str, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
+) -> dict[str, Any]:
+    """A chat completion; ``choices`` from ``chat_choice``."""
+    return _response("chat.completion", rid, model, choices, usage)
 
 
 def _stream_chunk(
@@ -93,14 +99,7 @@ def completion_response(
     rid: str, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
 ) -> dict[str, Any]:
     """A text completion; ``choices`` from ``completion_choice``."""
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage,
-    }
+    return _response("text_completion", rid, model, choices, usage)
 
 
 def completion_chunk(
