@@ -16,7 +16,7 @@ def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 
 def chat_choice(
-    index: int, text: str, finish: str, logprobs: dict[str, Any] | None = None
+    index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     return {
         "index": index,
@@ -27,7 +27,7 @@ def chat_choice(
 
 
 def completion_choice(
-    index: int, text: str, finish: str, logprobs: dict[str, Any] | None = None
+    index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 

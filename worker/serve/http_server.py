@@ -32,7 +32,13 @@ from aiohttp import web
 from openai_api.detokenizer import Detokenizer
 from openai_api.errors import APIError
 from openai_api.logprobs import TokenLogprobs, chat_logprobs, completion_logprobs, decoder
-from openai_api.responses import usage_dict
+from openai_api.responses import (
+    chat_choice,
+    chat_response,
+    completion_choice,
+    completion_response,
+    usage_dict,
+)
 from worker.engine.core import EngineError
 from worker.serve.http_helpers import (
     chat_render,
@@ -213,19 +219,9 @@ def _choice(
     index: int = 0,
 ) -> dict[str, Any]:
     if job.kind == "completion":
-        return {
-            "index": index,
-            "text": text or "",
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
+        return completion_choice(index, text or "", finish_reason, logprobs)
     if not stream:
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
+        return chat_choice(index, text or "", finish_reason, logprobs)
     delta: dict[str, Any] = {}
     if first:
         delta["role"] = "assistant"
@@ -272,7 +268,6 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     runs = [_Run(request, job)] + [_Run(request, _nth_choice(job, i)) for i in range(1, job.n)]
     info = request.app[INFO]
     created = int(time.time())
-    obj = "chat.completion" if kind == "chat" else "text_completion"
     logger.debug("request %s: %d prompt tokens", job.request_id, len(job.prompt_ids))
     if not job.stream:
         texts = await _collect(runs)
@@ -287,17 +282,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             )
             for i, (r, text) in enumerate(zip(runs, texts, strict=True))
         ]
-        return web.json_response(
-            {
-                "id": job.request_id,
-                "object": obj,
-                "created": created,
-                "model": info.model_name,
-                "choices": choices,
-                "usage": _usage(runs),
-                "worker_id": info.worker_id,
-            }
-        )
+        build = chat_response if kind == "chat" else completion_response
+        body = build(job.request_id, info.model_name, choices, _usage(runs))
+        return web.json_response({**body, "worker_id": info.worker_id})
 
     chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
