@@ -47,6 +47,7 @@ from openai_api.requests import (
     parse_chat,
     parse_completion,
 )
+from openai_api.tools import JSON, tool_format
 
 SESSION_HEADER = "X-Session-ID"
 MAX_SESSION_ID = 256  # characters of X-Session-ID (the ``user`` field is hashed whatever its size)
@@ -65,6 +66,11 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     # 1. parse
     body = await read_json(request)
     req: ChatRequest | CompletionRequest = parse_chat(body) if chat else parse_completion(body)
+    tool_fmt = JSON
+    if isinstance(req, ChatRequest) and req.tools is not None:
+        # A forced call is constrained to the call format of the model's chat template.
+        tool_fmt = tool_format(state.tokenizer.tokenizer)
+        req = req.with_tool_format(tool_fmt)
     s = req.sampling
     check_model(state, s.model)
     # 2. tenant
@@ -91,7 +97,10 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     cached = d.look_up(candidates)
     # 7. choose
     decision = d.choose(job, candidates, cached)
-    relay = Relay(state.tokenizer.tokenizer, served_name(state, s.model), job, s, chat)
+    tools = req.tools if isinstance(req, ChatRequest) else None
+    relay = Relay(
+        state.tokenizer.tokenizer, served_name(state, s.model), job, s, chat, tools, tool_fmt
+    )
     if s.stream:
         # A stream's headers go out now, not with its first token: a client queued on
         # a busy worker sees the routing headers at once (vLLM, too, answers at once).
@@ -216,7 +225,7 @@ async def tokenize(state: GatewayState, req: ChatRequest | CompletionRequest) ->
             tok.render,
             req.messages,
             add_generation_prompt=req.add_generation_prompt,
-            **dict(req.template_kwargs),
+            **req.template_args(),
         )
         size = sum(len(m["content"]) for m in req.messages)
         check_size(state, size, "messages")

@@ -108,6 +108,19 @@ OPTIONS: dict[str, Option] = {
         _text_format,
         "text, json_object, json_schema (constrained decoding, llguidance)",
     ),
+    "tools": (
+        SUPPORTED,
+        CHAT,
+        _falsy,
+        "functions, rendered by the model's chat template; calls come back as tool_calls",
+    ),
+    "tool_choice": (
+        SUPPORTED,
+        CHAT,
+        _no_tool_choice,
+        "auto (calls parsed from the text), required and a named function "
+        "(constrained decoding, llguidance), none",
+    ),
     # Accepted with no effect, as on vLLM.
     "store": (IGNORED, CHAT, _absent, "nothing is stored"),
     "metadata": (IGNORED, CHAT, _absent, "nothing is stored"),
@@ -117,8 +130,6 @@ OPTIONS: dict[str, Option] = {
     "priority": (IGNORED, BOTH, _absent, "one queue per worker"),
     # Asked for and not done: 400 unless neutral.
     "min_tokens": (UNSUPPORTED, BOTH, _falsy, "vLLM extension"),
-    "tools": (UNSUPPORTED, CHAT, _falsy, "function calling"),
-    "tool_choice": (UNSUPPORTED, CHAT, _no_tool_choice, "function calling"),
     "functions": (UNSUPPORTED, CHAT, _falsy, "deprecated function calling"),
     "function_call": (UNSUPPORTED, CHAT, _no_tool_choice, "deprecated function calling"),
     "audio": (UNSUPPORTED, CHAT, _absent, "audio output"),

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from openai_api.errors import APIError
 from openai_api.options import reject_unsupported
+from openai_api.tools import Tools, constraint, parse_tools
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 1024  # per stop string: the detokenizer holds back this much text
@@ -42,6 +43,7 @@ ENGINE_OPTIONS = (
     "logit_bias",
     "logprobs",
     "json_schema",
+    "grammar",
 )
 MAX_TOKEN_ID = 2**32  # token ids travel as uint32 (proto); anything larger is a 400 here
 
@@ -73,6 +75,7 @@ class SamplingRequest:
     logprobs: int | None = None  # None: off; k: the chosen token's and the top k alternatives
     include_stop_str_in_output: bool = False  # a matched stop string ends the text (vLLM)
     json_schema: str | None = None  # response_format json_object / json_schema, as JSON text
+    grammar: str | None = None  # a forced tool call: a llguidance Lark grammar (openai_api.tools)
 
     def engine_options(self) -> dict[str, Any]:
         """What every engine is told besides the prompt and ``max_tokens``: the one list of
@@ -86,6 +89,24 @@ class ChatRequest:
     messages: tuple[dict[str, Any], ...]
     add_generation_prompt: bool = True
     template_kwargs: tuple[tuple[str, Any], ...] = ()  # chat_template_kwargs, as sorted pairs
+    tools: Tools | None = None  # tools and tool_choice (None: no tool offered)
+
+    def template_args(self) -> dict[str, Any]:
+        """Keyword arguments of ``apply_chat_template`` besides the messages, the same on
+        every front: ``chat_template_kwargs`` and the tools."""
+        args = dict(self.template_kwargs)
+        if self.tools is not None:
+            args["tools"] = [dict(t) for t in self.tools.tools]
+        return args
+
+    def with_tool_format(self, tool_format: str) -> ChatRequest:
+        """This request with a forced tool call's constraint on its sampling, for a chat
+        template that writes calls in ``tool_format`` (``openai_api.tools``)."""
+        json_schema, grammar = constraint(self.tools, tool_format)
+        if json_schema is None and grammar is None:
+            return self
+        sampling = replace(self.sampling, json_schema=json_schema, grammar=grammar)
+        return replace(self, sampling=sampling)
 
 
 @dataclass(frozen=True)
@@ -315,11 +336,13 @@ def parse_chat(body: Any) -> ChatRequest:
         messages,
         add_generation_prompt=_bool(body, "add_generation_prompt", default=True),
         template_kwargs=tuple(sorted((kwargs or {}).items())),
+        tools=parse_tools(body),
     )
 
 
 def parse_messages(raw: Any) -> tuple[dict[str, Any], ...]:
-    """Chat messages as the chat template receives them: ``{"role", "content": str}``."""
+    """Chat messages as the chat template receives them: ``{"role", "content": str}``, plus
+    an assistant's ``tool_calls`` and a tool message's ``tool_call_id``."""
     if not isinstance(raw, list) or not raw:
         raise _bad("'messages' must be a non-empty list", "messages")
     if len(raw) > MAX_MESSAGES:
@@ -333,12 +356,55 @@ def parse_messages(raw: Any) -> tuple[dict[str, Any], ...]:
         if role not in ROLES:
             raise _bad(f"'role' must be one of {', '.join(sorted(ROLES))}", f"{where}.role")
         content = msg.get("content")
+        calls = msg.get("tool_calls") if role == "assistant" else None
         if content is None and role != "assistant":
             raise _bad(f"a {role} message needs 'content'", f"{where}.content")
         text = "" if content is None else _content_text(content, f"{where}.content")
         # Passed to the template exactly as the worker's own front passes it, so ids match.
-        messages.append({"role": role, "content": text})
+        message: dict[str, Any] = {"role": role, "content": text}
+        if calls is not None:
+            message["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        if role == "tool":
+            call_id = msg.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise _bad("a tool message needs 'tool_call_id'", f"{where}.tool_call_id")
+            message["tool_call_id"] = call_id
+        messages.append(message)
     return tuple(messages)
+
+
+def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as templates take them: ``arguments`` decoded
+    from its JSON string to an object where it is one (as vLLM passes them)."""
+    if not isinstance(raw, list):
+        raise _bad("'tool_calls' must be a list", where)
+    calls = []
+    for j, call in enumerate(raw):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(call, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(call.get("id"), str)
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("arguments"), str)
+        ):
+            raise _bad(
+                "a tool call is {id, type: function, function: {name, arguments: string}}",
+                f"{where}[{j}]",
+            )
+        try:
+            arguments: Any = json.loads(fn["arguments"])
+        except ValueError:
+            arguments = fn["arguments"]
+        calls.append(
+            {
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": arguments},
+            }
+        )
+    return calls
 
 
 def parse_completion(body: Any) -> CompletionRequest:

@@ -16,14 +16,17 @@ def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 
 def chat_choice(
-    index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
+    index: int,
+    text: str | None,
+    finish: str | None,
+    logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish,
-    }
+    """One chat choice; with ``tool_calls`` the message carries them (content may be None)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 def completion_choice(

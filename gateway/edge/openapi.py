@@ -56,6 +56,44 @@ _SAMPLING: dict[str, Any] = {
 _CHAT_ONLY: dict[str, Any] = {
     "chat_template_kwargs": {"type": "object"},
     "add_generation_prompt": {"type": "boolean", "default": True},
+    "tools": {
+        "type": "array",
+        "maxItems": 128,
+        "items": {
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"enum": ["function"]},
+                "function": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                        "description": {"type": "string"},
+                        "parameters": {"type": "object"},
+                        "strict": {"type": "boolean"},
+                    },
+                },
+            },
+        },
+    },
+    "tool_choice": {
+        "oneOf": [
+            {"enum": ["none", "auto", "required"]},
+            {
+                "type": "object",
+                "required": ["type", "function"],
+                "properties": {
+                    "type": {"enum": ["function"]},
+                    "function": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {"name": {"type": "string"}},
+                    },
+                },
+            },
+        ]
+    },
 }
 
 

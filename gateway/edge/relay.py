@@ -45,6 +45,7 @@ from openai_api.responses import (
     completion_response,
     usage_dict,
 )
+from openai_api.tools import ToolCallStream, Tools, call_deltas
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,16 @@ class _Choice:
     """One choice's stream, text and logprobs."""
 
     def __init__(
-        self, index: int, stream: Stream, tokenizer: Any, s: SamplingRequest, chat: bool
+        self,
+        index: int,
+        stream: Stream,
+        tokenizer: Any,
+        s: SamplingRequest,
+        chat: bool,
+        tools: ToolCallStream | None = None,
     ) -> None:
         self.index = index
+        self.tools = tools  # set when the text is read for tool calls
         self.stream = stream
         self.s = s
         self.chat = chat
@@ -89,17 +97,31 @@ class _Choice:
             return chat_logprobs(items, decode, self.s.logprobs)
         return completion_logprobs(items, decode, self.s.logprobs, offset)
 
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        """The tool calls found in the answer (once it finished)."""
+        return self.tools.calls if self.tools is not None else []
+
+    def _finish(self, delta: str, reason: str) -> tuple[str, str]:
+        if self.tools is None:
+            return delta, reason
+        delta = self.tools.push(delta) + self.tools.finish()
+        return delta, "tool_calls" if self.tools.calls else reason
+
     async def events(self) -> AsyncIterator[tuple[str, str | None]]:
-        """Yields (text delta, finish reason or None) until the generation ends."""
+        """Yields (text delta, finish reason or None) until the generation ends; with
+        tools the text of a call is held back and ``tool_calls`` holds it at the end."""
         chunk: Chunk | None = self.stream.first
         while chunk is not None:
             delta = self._take(chunk)
             if self.detok.stopped:
-                yield delta, "stop"
+                yield self._finish(delta, "stop")
                 return
             if chunk.finished:
-                yield delta + self.detok.finish(), chunk.finish_reason or "stop"
+                yield self._finish(delta + self.detok.finish(), chunk.finish_reason or "stop")
                 return
+            if self.tools is not None:
+                delta = self.tools.push(delta)
             if delta:
                 yield delta, None
             chunk = await self.stream.next()
@@ -110,9 +132,18 @@ class Relay:
     """Turns the worker streams of one request into text, tracking usage as workers report it."""
 
     def __init__(
-        self, tokenizer: Any, model: str, job: Job, s: SamplingRequest, chat: bool
+        self,
+        tokenizer: Any,
+        model: str,
+        job: Job,
+        s: SamplingRequest,
+        chat: bool,
+        tools: Tools | None = None,
+        tool_format: str = "json",
     ) -> None:
         self.s = s
+        self._tools = tools if tools is not None and tools.parsed else None
+        self._tool_format = tool_format
         self.chat = chat
         self.model = model
         self.rid = job.request_id
@@ -127,8 +158,14 @@ class Relay:
     def attach(self, streams: list[Stream]) -> None:
         """The worker streams to relay, one per choice (once ``Dispatcher.open`` returned them)."""
         self._choices = [
-            _Choice(i, st, self._tokenizer, self.s, self.chat) for i, st in enumerate(streams)
+            _Choice(i, st, self._tokenizer, self.s, self.chat, self._tool_stream())
+            for i, st in enumerate(streams)
         ]
+
+    def _tool_stream(self) -> ToolCallStream | None:
+        if self._tools is None:
+            return None
+        return ToolCallStream(self._tools, self._tool_format)
 
     @property
     def stream(self) -> Stream:
@@ -161,8 +198,12 @@ class Relay:
                 parts.append(delta)
                 finish = reason or finish
             text = "".join(parts)
-            build = chat_choice if self.chat else completion_choice
-            return build(c.index, text, finish, c.logprobs(self._decode, ""))
+            if not self.chat:
+                return completion_choice(c.index, text, finish, c.logprobs(self._decode, ""))
+            lps = c.logprobs(self._decode, "")
+            if c.tools is None:
+                return chat_choice(c.index, text, finish, lps)
+            return chat_choice(c.index, c.tools.content(), finish, lps, c.tool_calls)
 
         try:
             choices = list(await asyncio.gather(*(collect(c) for c in self._choices)))
@@ -180,7 +221,13 @@ class Relay:
     def _usage_field(self) -> bool:
         return self.s.include_usage or self.s.continuous_usage_stats
 
-    def _chunk(self, c: _Choice, delta: str, finish: str | None) -> dict[str, Any]:
+    def _chunk(
+        self,
+        c: _Choice,
+        delta: str,
+        finish: str | None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         # continuous_usage_stats: every chunk carries the usage so far (vLLM's extension).
         usage = self.usage() if self.s.continuous_usage_stats else None
         lps = c.logprobs(self._decode, delta)
@@ -189,7 +236,9 @@ class Relay:
         args = (usage, self._usage_field, lps, c.index)
         if not self.chat:
             return completion_chunk(self.rid, self.model, self._created, delta, finish, *args)
-        d = {"content": delta} if delta else {}
+        d: dict[str, Any] = {"content": delta} if delta else {}
+        if tool_calls:
+            d["tool_calls"] = tool_calls
         return chat_chunk(self.rid, self.model, self._created, d, finish, *args)
 
     async def _send(self, obj: dict[str, Any]) -> None:
@@ -284,6 +333,8 @@ class Relay:
                 c, delta, finish = item
                 if delta:
                     await self._send(self._chunk(c, delta, None))
+                if finish is not None and c.tool_calls:
+                    await self._send(self._chunk(c, "", None, call_deltas(c.tool_calls)))
                 if finish is not None:
                     await self._send(self._chunk(c, "", finish))
         finally:

@@ -39,6 +39,7 @@ class Generation:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None: off; k: each token's logprob and the top k
     json_schema: str | None = None  # response_format: the JSON schema the output follows
+    grammar: str | None = None  # a forced tool call: the Lark grammar the output follows
 
 
 @dataclass(frozen=True)

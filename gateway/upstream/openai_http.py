@@ -59,6 +59,9 @@ def completion_body(g: Generation) -> dict[str, Any]:
             "type": "json_schema",
             "json_schema": {"name": "response", "schema": json.loads(g.json_schema)},
         }
+    if g.grammar is not None:
+        # vLLM's guidance backend takes the same llguidance Lark grammar.
+        body["structured_outputs"] = {"grammar": g.grammar}
     if g.logprobs is not None:
         body["logprobs"] = g.logprobs
         body["return_tokens_as_token_ids"] = True  # tokens come back as "token_id:<id>"

@@ -15,6 +15,7 @@ from tests.gateway.conftest import MODEL, Harness
 from tests.worker.test_servers import Stack, runner, stack, tokenizer  # noqa: F401 (fixtures)
 
 CHAT = [{"role": "user", "content": "hello there"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 BODIES: list[tuple[str, dict[str, Any]]] = [
     ("chat", {"messages": CHAT, "max_tokens": 2}),
@@ -33,6 +34,13 @@ BODIES: list[tuple[str, dict[str, Any]]] = [
     ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}),
     ("chat", {"messages": [{"role": "user", "content": None}]}),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ("chat", {"messages": CHAT, "max_tokens": 2, "tools": [TOOL]}),
+    ("chat", {"messages": CHAT, "max_tokens": 2, "tools": [TOOL], "tool_choice": "none"}),
+    ("chat", {"messages": CHAT, "max_tokens": 2, "tools": [{"type": "function"}]}),
+    ("chat", {"messages": CHAT, "tools": [TOOL], "tool_choice": "always"}),
+    ("chat", {"messages": CHAT, "tool_choice": "required"}),
+    ("chat", {"messages": [*CHAT, {"role": "tool", "content": "x"}]}),
+    ("chat", {"messages": [*CHAT, {"role": "assistant", "tool_calls": "x"}]}),
     ("completion", {"prompt": "hello", "max_tokens": 2}),
     ("completion", {"prompt": [1, 2, 3], "max_tokens": 2}),
     ("completion", {"prompt": ""}),

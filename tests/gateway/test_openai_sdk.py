@@ -20,15 +20,7 @@ UNSUPPORTED_CASES: list[tuple[str, dict[str, Any]]] = [
     ("chat", {"min_tokens": 3}),
     ("chat", {"guided_json": {"type": "object"}}),
     ("completion", {"skip_special_tokens": False}),
-    (
-        "chat",
-        {
-            "tools": [
-                {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-            ]
-        },
-    ),
-    ("chat", {"tool_choice": "required"}),
+    ("chat", {"functions": [{"name": "f"}]}),
     ("chat", {"modalities": ["text", "audio"]}),
     ("chat", {"audio": {"voice": "alloy", "format": "wav"}}),
     ("chat", {"prediction": {"type": "content", "content": "x"}}),
@@ -250,7 +242,9 @@ async def test_openapi_lists_every_option_with_its_status(gateway: Harness) -> N
             if name not in ("model", "messages", "prompt"):
                 assert props[name]["x-kvroute-support"] == status, name
     chat = schemas["ChatRequest"]["properties"]
-    assert chat["tools"]["x-kvroute-support"] == UNSUPPORTED
+    assert chat["tools"]["x-kvroute-support"] == "supported"
+    assert chat["tool_choice"]["x-kvroute-support"] == "supported"
+    assert chat["functions"]["x-kvroute-support"] == UNSUPPORTED
     assert chat["store"]["x-kvroute-support"] == "ignored"
     assert "/v1/models/{model}" in spec["paths"]
 

@@ -19,8 +19,6 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "auto"),
         ("web_search_options", {}),
         ("functions", [{"name": "f"}]),
         ("audio", {"voice": "x"}),

@@ -221,11 +221,13 @@ class Engine:
         output, as Hugging Face ``generate`` does.
         """
         seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt, lora)
-        if params.json_schema is not None:
+        if params.json_schema is not None or params.grammar is not None:
             if self.grammars is None:
                 raise ValueError("response_format: this worker has no structured output")
             # Compiled off the loop (the first one also builds the grammar tokenizer).
-            seq.constraint = await asyncio.to_thread(self.grammars.matcher, params.json_schema)
+            seq.constraint = await asyncio.to_thread(
+                self.grammars.matcher, params.json_schema, params.grammar
+            )
         self._check_running()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:

@@ -38,6 +38,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int | None = None  # None: off; k: the chosen token's and the top k's log-probs
     json_schema: str | None = None  # response_format: output constrained to this JSON schema
+    grammar: str | None = None  # a forced tool call: output constrained to this Lark grammar
 
     @property
     def needs_processing(self) -> bool:
@@ -49,6 +50,7 @@ class SamplingParams:
             or self.min_p
             or self.logit_bias
             or self.json_schema is not None
+            or self.grammar is not None
         )
 
     def validate(self, vocab_size: int) -> None:

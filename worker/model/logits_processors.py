@@ -13,6 +13,8 @@ a plain request stays token-identical.
 llguidance: each such sequence owns an ``LLMatcher`` (``Grammars.matcher``) whose
 token mask is applied last, so every sampled token keeps the text a prefix of a
 document the schema accepts, and end-of-sequence is allowed only once it is complete.
+A forced tool call (``openai_api.tools``) is the same with a Lark grammar: the call's
+JSON inside the tags the model's chat template uses.
 
 ``token_logprobs`` reads log-probabilities from the model's raw logits (before any
 processor, temperature or filter: vLLM's default ``raw_logprobs``), so a value is
@@ -71,22 +73,29 @@ class Grammars:
                 self._tokenizer = llguidance.hf.from_tokenizer(hf)
             return self._tokenizer
 
-    def matcher(self, json_schema: str) -> Any:
-        """A fresh ``LLMatcher`` for ``json_schema`` (JSON text); ``ValueError`` if invalid."""
+    def matcher(self, json_schema: str | None, grammar: str | None = None) -> Any:
+        """A fresh ``LLMatcher`` for ``json_schema`` (JSON text) or a Lark ``grammar``
+        (a forced tool call; it wins when both are given); ``ValueError`` if invalid."""
         import llguidance
 
         tokenizer = self._llg_tokenizer()
+        what = "tools: the tool-call grammar" if grammar else "response_format: the JSON schema"
         try:
-            # No free whitespace: a small model could otherwise spend its tokens on it.
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                json_schema, defaults={"whitespace_flexible": False}
-            )
+            if grammar is not None:
+                compiled = llguidance.LLMatcher.grammar_from_lark(grammar)
+            elif json_schema is None:
+                raise ValueError("neither a JSON schema nor a grammar")
+            else:
+                # No free whitespace: a small model could otherwise spend its tokens on it.
+                compiled = llguidance.LLMatcher.grammar_from_json_schema(
+                    json_schema, defaults={"whitespace_flexible": False}
+                )
         except (ValueError, RuntimeError, TypeError) as exc:
-            raise ValueError(f"response_format: the JSON schema is not usable: {exc}") from exc
-        matcher = llguidance.LLMatcher(tokenizer, grammar)
+            raise ValueError(f"{what} is not usable: {exc}") from exc
+        matcher = llguidance.LLMatcher(tokenizer, compiled)
         if matcher.is_error():
             error = matcher.get_error()
-            raise ValueError(f"response_format: the JSON schema is not usable: {error}")
+            raise ValueError(f"{what} is not usable: {error}")
         return Constraint(matcher, int(tokenizer.vocab_size))
 
 

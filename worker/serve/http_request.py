@@ -25,6 +25,7 @@ from openai_api.requests import (
     parse_chat,
     parse_completion,
 )
+from openai_api.tools import JSON, Tools, tool_format
 from worker.engine.sequence import SamplingParams
 from worker.serve.metrics import WorkerMetrics
 
@@ -72,6 +73,8 @@ class Job:
     cache_salt: str
     n: int = 1  # choices: one engine request each (the others after the first's first token)
     include_stop: bool = False  # include_stop_str_in_output
+    tools: Tools | None = None  # tools the answer is read for calls of (tool_choice not none)
+    tool_format: str = JSON  # how the chat template writes a call (openai_api.tools)
 
 
 async def json_body(request: web.Request) -> dict[str, Any]:
@@ -105,7 +108,7 @@ def render_chat_text(tokenizer: Any, req: ChatRequest | tuple[dict[str, Any], ..
         messages, add_gen, kwargs = (
             req.messages,
             req.add_generation_prompt,
-            dict(req.template_kwargs),
+            req.template_args(),
         )
     else:
         messages, add_gen, kwargs = req, True, {}
@@ -141,8 +144,14 @@ def engine_params(s: SamplingRequest, prompt_len: int, max_model_len: int) -> Sa
 async def parse_job(request: web.Request, kind: str) -> Job:
     body = await json_body(request)
     tokenizer = request.app[TOKENIZER]
+    tools: Tools | None = None
+    fmt = JSON
     if kind == "chat":
         chat = parse_chat(body)
+        if chat.tools is not None:
+            fmt = tool_format(tokenizer)
+            tools = chat.tools if chat.tools.parsed else None
+            chat = chat.with_tool_format(fmt)
         sampling = chat.sampling
         check_model(request, sampling.model)
         prompt_ids = await off_loop(encode_chat, tokenizer, chat)
@@ -173,5 +182,7 @@ async def parse_job(request: web.Request, kind: str) -> Job:
         continuous_usage=sampling.continuous_usage_stats,
         n=sampling.n,
         include_stop=sampling.include_stop_str_in_output,
+        tools=tools,
+        tool_format=fmt,
         cache_salt=(sampling.cache_salt or "") if info.trust_body_salt else "",
     )
