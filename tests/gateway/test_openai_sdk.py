@@ -322,3 +322,63 @@ async def test_response_format_reaches_the_worker_as_a_schema(gateway: Harness) 
                 model=MODEL, messages=HELLO, max_tokens=8, extra_body={"response_format": bad}
             )
         assert isinstance(err.value.body, dict) and err.value.body["param"] == "response_format"
+
+
+TIME_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}},
+    },
+}
+CALL_TEXT = '{"name": "get_time", "arguments": {"tz": "UTC"}}'
+
+
+async def test_auto_reads_a_tool_call_out_of_the_answer(gateway: Harness) -> None:
+    """SmolLM2's template has no tool format: a bare JSON call is one (the fake worker
+    answers with it, as a model choosing to call would)."""
+    await gateway.add_worker("w1", CALL_TEXT)
+    client = _sdk(gateway)
+    out = await client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=32, tools=[TIME_TOOL]
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls or []
+    assert [(c.type, c.function.name) for c in calls] == [("function", "get_time")]
+    assert json.loads(calls[0].function.arguments) == {"tz": "UTC"}
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=32, tools=[TIME_TOOL], stream=True
+    )
+    deltas = [c.choices[0] async for c in stream if c.choices]
+    assert "".join(d.delta.content or "" for d in deltas) == ""
+    streamed = [t for d in deltas for t in d.delta.tool_calls or []]
+    assert [(t.index, t.function.name) for t in streamed] == [(0, "get_time")]
+    assert streamed[0].id.startswith("call_") and streamed[0].function.arguments == '{"tz": "UTC"}'
+    assert deltas[-1].finish_reason == "tool_calls"
+    # tool_choice none: the same text is just content.
+    out = await client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=32, tools=[TIME_TOOL], tool_choice="none"
+    )
+    assert out.choices[0].message.content == CALL_TEXT and not out.choices[0].message.tool_calls
+
+
+async def test_auto_text_answers_stay_text(gateway: Harness) -> None:
+    await gateway.add_worker("w1")
+    out = await _sdk(gateway).chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=4, tools=[TIME_TOOL], tool_choice="auto"
+    )
+    assert out.choices[0].message.content == "Hello world"
+    assert out.choices[0].finish_reason == "stop" and not out.choices[0].message.tool_calls
+
+
+async def test_a_forced_call_sends_its_schema_to_the_worker(gateway: Harness) -> None:
+    worker, _ = await gateway.add_worker("w1", CALL_TEXT)
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    out = await _sdk(gateway).chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=32, tools=[TIME_TOOL], tool_choice=choice
+    )
+    assert out.choices[0].finish_reason == "tool_calls"
+    schema = json.loads(worker.requests[-1].sampling.json_schema)
+    assert schema["properties"]["name"] == {"const": "get_time"}
+    assert schema["properties"]["arguments"] == TIME_TOOL["function"]["parameters"]
