@@ -21,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
+from contract.grpc_auth import read_token_file
 from contract.redis_url import PASSWORD_ENV, with_password
 from gateway.config import LOG_LEVELS, GatewayConfig
 from gateway.routing.router import POLICIES, RouterConfig
@@ -87,6 +88,13 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, Any, str]] = [
         "HMAC key for tenants' cache salts; prefer the env var (same on every replica)",
     ),
     ("--grpc-tls-ca", str, "", "PEM CA bundle: dial workers over gRPC TLS (optional)"),
+    (
+        "--grpc-token-file",
+        str,
+        "",
+        "file with the fleet's shared token, sent on every call to a worker (workers "
+        "started with the same file refuse calls without it)",
+    ),
     ("--log-level", str, "info", "one of " + ", ".join(LOG_LEVELS)),
     ("--access-log", "bool", "true", "one INFO line per request (logger kvroute.access)"),
     ("--vllm-metrics", "bool", "false", "also export vLLM-named metrics (vllm:*) on /metrics"),
@@ -170,12 +178,24 @@ def config_from_args(argv: list[str]) -> GatewayConfig:
         client_idle_timeout_s=v["--client-idle-timeout"],
         client_body_timeout_s=v["--client-body-timeout"],
         grpc_tls_ca=Path(v["--grpc-tls-ca"]) if v["--grpc-tls-ca"] else None,
+        grpc_token=_token(v["--grpc-token-file"]),
         log_level=v["--log-level"].lower(),
         access_log=v["--access-log"],
         vllm_metrics=v["--vllm-metrics"],
         index_max_entries=v["--index-max-entries"],
         redis_cluster=_flag_bool("--redis-cluster", v["--redis-cluster"]),
     )
+
+
+def _token(raw: str) -> str:
+    """The shared token in ``--grpc-token-file``, read once; "" without the flag."""
+    if not raw:
+        return ""
+    path = Path(raw).expanduser()
+    try:
+        return read_token_file(path)
+    except ValueError as exc:
+        raise ValueError(f"--grpc-token-file {path}: {exc}") from exc
 
 
 def _flag_bool(flag: str, raw: str) -> bool:

@@ -36,6 +36,8 @@ class GatewayConfig:
     client_idle_timeout_s: float = 30.0  # idle, or still sending its headers: closed
     client_body_timeout_s: float = 60.0  # a request body still arriving after this: 408
     grpc_tls_ca: Path | None = None  # PEM CA bundle: dial workers over TLS
+    # From --grpc-token-file: sent to every worker as "authorization: Bearer <token>".
+    grpc_token: str = field(default="", repr=False)
     log_level: str = "info"
     access_log: bool = True  # one INFO line per request on the kvroute.access logger
     vllm_metrics: bool = False  # also export vllm:* aliases of the fleet-level metrics

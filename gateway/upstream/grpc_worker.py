@@ -7,7 +7,8 @@ up to ``drain_s`` (the request timeout): a rolling restart never cuts a
 stream. gRPC statuses map to ``UpstreamError``s here, and so does a call that
 ends in ``CancelledError`` although nobody cancelled the reading task (grpc
 raises that when a channel closes under a call), so nothing above this module
-imports grpc and no stream ends without an error event.
+imports grpc and no stream ends without an error event. With a shared token
+(``--grpc-token-file``) every call carries ``authorization: Bearer <token>``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import grpc
 
 from contract import worker_pb2, worker_pb2_grpc
+from contract.grpc_auth import METADATA_KEY, bearer
 from gateway.upstream.base import Chunk, Generation, UpstreamError
 from openai_api.errors import APIError
 from openai_api.logprobs import TokenLogprobs
@@ -55,6 +57,14 @@ def _upstream_error(exc: grpc.aio.AioRpcError) -> UpstreamError:
     code = exc.code()
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         api = APIError(504, "the request timed out", code="timeout")
+    elif code == grpc.StatusCode.UNAUTHENTICATED:
+        # A deployment mistake, not the client's: say which flag to look at.
+        logger.error(
+            "a worker refused this gateway's token (%s): give gateways and workers the "
+            "same --grpc-token-file",
+            exc.details(),
+        )
+        api = APIError(502, "the worker refused the gateway's credentials", code="worker_error")
     elif code in _CLIENT_ERRORS:
         api = APIError(
             400, f"the worker rejected the request: {exc.details()}", code="invalid_request"
@@ -86,6 +96,8 @@ def _request(g: Generation) -> worker_pb2.GenerateRequest:
         sampling.logprobs = g.logprobs
     if g.json_schema is not None:
         sampling.json_schema = g.json_schema
+    if g.grammar is not None:
+        sampling.grammar = g.grammar
     return worker_pb2.GenerateRequest(
         request_id=g.request_id,
         prompt_token_ids=list(g.prompt_ids),
@@ -143,8 +155,12 @@ class _GrpcCall:
 class GrpcUpstream:
     """Worker id -> a live stub on a channel to that worker's address."""
 
-    def __init__(self, tls_ca: bytes | None = None, *, drain_s: float = 600.0) -> None:
+    def __init__(
+        self, tls_ca: bytes | None = None, *, drain_s: float = 600.0, token: str = ""
+    ) -> None:
         self.drain_s = drain_s  # how long a forgotten channel stays open for its calls
+        # Call metadata rather than call credentials: those need TLS, the token does not.
+        self._metadata = ((METADATA_KEY, bearer(token)),) if token else None
         # With a CA bundle every worker channel is TLS, verified against it.
         self._credentials = grpc.ssl_channel_credentials(tls_ca) if tls_ca else None
         self._channels: dict[str, tuple[str, grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
@@ -170,7 +186,8 @@ class GrpcUpstream:
     ) -> _GrpcCall:
         """Starts ``Generate`` on the worker; the first ``read`` waits for its first tokens."""
         stub = self.stub(worker_id, address)
-        return _GrpcCall(stub.Generate(_request(generation), timeout=timeout_s))
+        call = stub.Generate(_request(generation), timeout=timeout_s, metadata=self._metadata)
+        return _GrpcCall(call)
 
     def forget(self, worker_id: str) -> None:
         """Retires the channel of a worker that left: no new calls; running ones finish.

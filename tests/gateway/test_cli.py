@@ -99,3 +99,17 @@ def test_smollm2_alias_uses_the_cache_dir(
     monkeypatch.setenv("KVROUTE_CACHE_DIR", str(tmp_path))
     with pytest.raises(ValueError, match="smollm2"):
         resolve_model_dir("smollm2")
+
+
+def test_grpc_token_file(smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "token"
+    path.write_text("  tok-0123456789abcdef\n")
+    cfg = config_from_args(["--model", str(smollm2), "--grpc-token-file", str(path)])
+    assert cfg.grpc_token == "tok-0123456789abcdef"
+    assert "tok-0123456789abcdef" not in repr(cfg)
+    assert config_from_args(["--model", str(smollm2)]).grpc_token == ""
+    path.write_text("")
+    with pytest.raises(ValueError, match=r"--grpc-token-file .*empty"):
+        config_from_args(["--model", str(smollm2), "--grpc-token-file", str(path)])
+    assert main(["--model", str(smollm2), "--grpc-token-file", str(tmp_path / "nope")]) == 2
+    assert "--grpc-token-file" in capsys.readouterr().err

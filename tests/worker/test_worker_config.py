@@ -70,3 +70,33 @@ def test_advertised_host() -> None:
     assert explicit.advertised_host == "pod-3.svc"
     wildcard = config_from_args(base, {}).advertised_host  # --host defaults to 0.0.0.0
     assert wildcard not in ("", "0.0.0.0") and socket.gethostbyname(wildcard) == wildcard
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (None, "cannot read"),
+        ("", "empty"),
+        ("\n  \n", "empty"),
+        ("short-token", "at least 16"),
+        ("a token with spaces inside", "printable ASCII"),
+    ],
+)
+def test_grpc_token_file_problems_stop_the_start(
+    tmp_path: Path, content: str | None, reason: str
+) -> None:
+    path = tmp_path / "token"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=f"--grpc-token-file.*{reason}"):
+        config_from_args(["--model", "m", "--grpc-token-file", str(path)], {})
+
+
+def test_grpc_token_is_read_once_stripped_and_kept_out_of_repr(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("tok-0123456789abcdef\n")
+    cfg = config_from_args(["--model", "m"], {"KVROUTE_GRPC_TOKEN_FILE": str(path)})
+    path.unlink()  # read at parse time: nothing later depends on the file
+    assert cfg.grpc_token == "tok-0123456789abcdef"
+    assert "tok-0123456789abcdef" not in repr(cfg)
+    assert config_from_args(["--model", "m"], {}).grpc_token == ""

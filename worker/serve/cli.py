@@ -145,7 +145,12 @@ class WorkerProcess:
 
         service = WorkerService(self.engine, worker_id=cfg.worker_id, stall_s=cfg.engine_stall_s)
         self.grpc_server, self.grpc_port = await start_grpc_server(
-            service, cfg.host, cfg.grpc_port, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
+            service,
+            cfg.host,
+            cfg.grpc_port,
+            tls_cert=cfg.tls_cert,
+            tls_key=cfg.tls_key,
+            token=cfg.grpc_token,
         )
         http_address = ""
         if cfg.http_port:
@@ -159,6 +164,7 @@ class WorkerProcess:
                 metrics=metrics,
                 trust_body_salt=cfg.trust_body_salt,
                 stall_s=cfg.engine_stall_s,
+                token=cfg.grpc_token,
             )
             self.http_runner, self.http_port = await start_http_server(
                 app, cfg.host, cfg.http_port, shutdown_timeout_s=cfg.drain_grace_s
@@ -169,13 +175,14 @@ class WorkerProcess:
         )
         await self.publisher.start()
         logger.info(
-            "worker %s serving %s (%d blocks of %d tokens): grpc_port=%d http_port=%d",
+            "worker %s serving %s (%d blocks of %d tokens): grpc_port=%d http_port=%d%s",
             cfg.worker_id,
             cfg.served_model_name,
             self.engine.num_blocks,
             cfg.block_size,
             self.grpc_port,
             self.http_port,
+            " (token required)" if cfg.grpc_token else "",
         )
 
     async def _pin(self, tokenizer: Any, path: Path) -> None:

@@ -12,9 +12,10 @@ import argparse
 import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
+from contract.grpc_auth import read_token_file
 from contract.model_paths import served_model_name
 from contract.redis_layout import DEFAULT_NAMESPACE, RedisLayout
 from contract.redis_url import PASSWORD_ENV, with_password
@@ -73,6 +74,9 @@ class WorkerConfig:
     drain_grace_s: float = 60.0
     trust_body_salt: bool = False  # the HTTP front honours a body's cache_salt
     engine_stall_s: float = 10.0  # /health fails when the engine has not stepped this long
+    # From --grpc-token-file, read once: every gRPC call and HTTP request (probes and
+    # /metrics aside) must carry "authorization: Bearer <token>". "" = no auth.
+    grpc_token: str = field(default="", repr=False)
 
     def validate(self) -> WorkerConfig:
         """Returns ``self`` or raises ``ValueError`` naming the flag that is wrong."""
@@ -174,6 +178,10 @@ def _dtype(raw: str) -> str:
     return DTYPES.get(raw.lower(), raw)
 
 
+def _token_file(raw: str) -> str:
+    return read_token_file(Path(raw).expanduser())
+
+
 # flag -> (field, converter, help). The converter turns a CLI or env string into the value.
 _FLAGS: dict[str, tuple[str, Callable[[str], object], str]] = {
     "--model": ("model", str, "model folder, .gguf file, or the alias smollm2"),
@@ -242,6 +250,12 @@ _FLAGS: dict[str, tuple[str, Callable[[str], object], str]] = {
         float,
         "health checks fail when the engine thread has not stepped for this many seconds",
     ),
+    "--grpc-token-file": (
+        "grpc_token",
+        _token_file,
+        "file holding the fleet's shared token: gRPC calls and HTTP requests without "
+        "'authorization: Bearer <token>' are refused (probes and /metrics stay open)",
+    ),
 }
 
 
@@ -258,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         shown = f", default {default}" if default not in (None, "") else ""
         parser.add_argument(
             flag,
+            dest=name,  # the field; --grpc-token-file fills grpc_token
             default=None,
             help=f"{text} [env {env_name(flag)}{shown}]",
             metavar=flag[2:].upper().replace("-", "_"),

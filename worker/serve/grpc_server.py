@@ -5,7 +5,9 @@ streams generated ids back; the first chunk carries the prompt and cached
 token counts (so a caller that stops early still counts them), the final one
 the whole usage, ``finish_reason``, the engine-side TTFT and the worker id. The
 port is bound without ``SO_REUSEPORT``: a second worker on a used port fails to
-start instead of sharing its traffic.
+start instead of sharing its traffic. With a token (``--grpc-token-file``) an
+interceptor refuses every call whose metadata lacks ``authorization: Bearer
+<token>`` with ``UNAUTHENTICATED`` before any servicer code runs.
 Bad input answers ``INVALID_ARGUMENT`` and leaves the engine untouched; a
 client that cancels the call aborts the request, which frees its blocks.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ import grpc
 
 from contract import worker_pb2 as pb
 from contract import worker_pb2_grpc
+from contract.grpc_auth import METADATA_KEY, is_bearer
 from worker.engine.core import EngineError
 from worker.engine.sequence import SamplingParams
 
@@ -52,6 +55,7 @@ def sampling_from_proto(
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in msg.logit_bias.items())),
         logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None,
         json_schema=msg.json_schema or None,
+        grammar=msg.grammar or None,
     )
 
 
@@ -153,6 +157,49 @@ async def _close(stream: Any) -> None:
         logger.debug("closing a generate stream: %r", exc)
 
 
+class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses every call without ``authorization: Bearer <token>`` (``UNAUTHENTICATED``)."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("--grpc-token-file: the token is empty")
+        self._token = token
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        metadata = handler_call_details.invocation_metadata or ()
+        # Every value is checked (no early exit): a call with several is no faster to refuse.
+        given = [v for k, v in metadata if k == METADATA_KEY and isinstance(v, str)]
+        if handler is None or any([is_bearer(v, self._token) for v in given]):
+            return handler
+        logger.warning(
+            "refused %s: %s", handler_call_details.method, "wrong token" if given else "no token"
+        )
+        return _refusal(handler)
+
+
+def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that only answers UNAUTHENTICATED."""
+
+    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "missing or wrong token (metadata authorization: Bearer <token>)",
+        )
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
 async def start_grpc_server(
     service: WorkerService,
     host: str,
@@ -160,16 +207,21 @@ async def start_grpc_server(
     *,
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
+    token: str = "",
 ) -> tuple[grpc.aio.Server, int]:
-    """Starts a ``grpc.aio`` server for ``service``; returns it and the bound port."""
+    """Starts a ``grpc.aio`` server for ``service``; returns it and the bound port.
+
+    With ``token`` every call must carry it as ``authorization: Bearer <token>``.
+    """
     server = grpc.aio.server(
+        interceptors=[TokenInterceptor(token)] if token else None,
         options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.so_reuseport", 0),  # a second server on this port must fail, not share it
-        ]
+        ],
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

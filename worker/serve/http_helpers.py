@@ -3,16 +3,19 @@
 ``/tokenize``, ``/detokenize``, ``/v1/completions/render``,
 ``/v1/chat/completions/render``, ``/v1/models``, ``/reset_prefix_cache``,
 ``/health`` (also ``/healthz`` and ``/readyz``), ``/metrics``, ``/get_load``,
-and the paths answered 404 on purpose.
+and the paths answered 404 on purpose; and the bearer-token check in front of
+all of them when the worker runs with ``--grpc-token-file``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from contract.grpc_auth import is_bearer
 from openai_api.errors import APIError
 from openai_api.requests import (
     parse_chat,
@@ -34,6 +37,30 @@ from worker.serve.http_request import (
 from worker.serve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Kubelet probes and Prometheus scrapes carry no token: these stay open. Nothing on
+# them reveals a prompt or lets a caller touch the cache.
+OPEN_PATHS = frozenset({"/health", "/healthz", "/readyz", "/metrics"})
+
+
+def require_token(token: str) -> Any:
+    """Middleware: every path but ``OPEN_PATHS`` needs ``Authorization: Bearer <token>``."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS and not is_bearer(
+            request.headers.get("Authorization"), token
+        ):
+            raise APIError(
+                401,
+                "this worker needs the fleet token (Authorization: Bearer <token>)",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return await handler(request)
+
+    return check
 
 
 async def render_completion(request: web.Request) -> web.Response:

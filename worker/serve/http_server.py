@@ -14,7 +14,9 @@ the gateway's — and output text is assembled by ``openai_api.detokenizer``
 (incremental, stop strings). A client that disconnects cancels its handler,
 which aborts the engine request. ``cache_salt`` from a body is honoured only
 when the worker runs with ``trust_body_salt`` (a deployment where only trusted
-routers reach this port); otherwise every caller shares the unsalted cache.
+routers reach this port) or with a token, which every caller must then show
+(``Authorization: Bearer``; probes and ``/metrics`` excepted); otherwise every
+caller shares the unsalted cache.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from openai_api.responses import (
     completion_response,
     usage_dict,
 )
+from openai_api.tools import ToolCallStream, call_deltas
 from worker.engine.core import EngineError
 from worker.serve.http_helpers import (
     chat_render,
@@ -49,6 +52,7 @@ from worker.serve.http_helpers import (
     models,
     not_provided,
     render_completion,
+    require_token,
     reset_prefix_cache,
     tokenize,
 )
@@ -91,14 +95,21 @@ def create_app(
     metrics: WorkerMetrics,
     trust_body_salt: bool = False,
     stall_s: float = 10.0,
+    token: str = "",
 ) -> web.Application:
-    """The aiohttp application; all state lives under typed ``AppKey``s."""
-    app = web.Application(middlewares=[_errors], client_max_size=64 << 20)
+    """The aiohttp application; all state lives under typed ``AppKey``s.
+
+    With ``token`` every request but probes and ``/metrics`` must carry it as a
+    bearer header, and a body's ``cache_salt`` is honoured: only the fleet's
+    routers hold the token.
+    """
+    middlewares = [_errors] + ([require_token(token)] if token else [])
+    app = web.Application(middlewares=middlewares, client_max_size=64 << 20)
     app[ENGINE] = engine
     app[TOKENIZER] = tokenizer
     app[METRICS] = metrics
     app[INFO] = FrontInfo(
-        model_name, worker_id, int(engine.max_model_len), trust_body_salt, stall_s
+        model_name, worker_id, int(engine.max_model_len), trust_body_salt or bool(token), stall_s
     )
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -155,6 +166,16 @@ class _Run:
         self._decode = decoder(request.app[TOKENIZER])
         self._lp_pending: list[TokenLogprobs] = []
         self._sent_chars = 0
+        # With tools the text of a call is held back; ``tool_calls`` holds it at the end.
+        self.tools = ToolCallStream(job.tools, job.tool_format) if job.tools else None
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return self.tools.calls if self.tools is not None else []
+
+    def content(self, text: str) -> str | None:
+        """The message content of the whole answer ``text`` (None: only tool calls)."""
+        return self.tools.content() if self.tools is not None else text
 
     async def deltas(self) -> Any:
         """Yields text deltas; ends with ``finish_reason`` set. Aborts on early exit."""
@@ -177,6 +198,12 @@ class _Run:
                 elif out.finished:
                     self.finish_reason = out.finish_reason or "stop"
                     delta += self.text.finish()
+                if self.tools is not None:
+                    delta = self.tools.push(delta)
+                    if self.finish_reason is not None:
+                        delta += self.tools.finish()
+                        if self.tools.calls:
+                            self.finish_reason = "tool_calls"
                 if delta:
                     yield delta
                 if self.finish_reason is not None:
@@ -217,16 +244,19 @@ def _choice(
     first: bool = False,
     logprobs: dict[str, Any] | None = None,
     index: int = 0,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     if job.kind == "completion":
         return completion_choice(index, text or "", finish_reason, logprobs)
     if not stream:
-        return chat_choice(index, text or "", finish_reason, logprobs)
+        return chat_choice(index, text, finish_reason, logprobs, tool_calls)
     delta: dict[str, Any] = {}
     if first:
         delta["role"] = "assistant"
     if text is not None:
         delta["content"] = text
+    if tool_calls:
+        delta["tool_calls"] = call_deltas(tool_calls)
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
@@ -274,11 +304,12 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         choices = [
             _choice(
                 r.job,
-                text,
+                r.content(text),
                 r.finish_reason,
                 stream=False,
                 logprobs=r.take_logprobs(text),
                 index=i,
+                tool_calls=r.tool_calls,
             )
             for i, (r, text) in enumerate(zip(runs, texts, strict=True))
         ]
@@ -316,6 +347,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
                 await response.write(
                     event([_choice(job, delta, None, stream=True, logprobs=lps, index=i)])
                 )
+        if run.tool_calls:
+            calls = _choice(job, None, None, stream=True, index=i, tool_calls=run.tool_calls)
+            await response.write(event([calls]))
         final = _choice(
             job,
             None if kind == "chat" else "",
