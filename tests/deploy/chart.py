@@ -8,8 +8,10 @@ deploy/ that the tests read are defined here once.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "namespace": "fleet-a",
         },
     },
-    "monitoring-off": {"monitoring": {"enabled": False}},
+    # Also the chart without the production defaults: no gRPC token, no Redis ACL users.
+    "monitoring-off": {
+        "monitoring": {"enabled": False},
+        "grpcAuth": {"enabled": False},
+        "redis": {"acl": {"enabled": False}},
+    },
     "many-workers": {
         "worker": {
             "replicas": 16,
@@ -89,7 +96,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "podAntiAffinity": "hard",
         },
         "worker": {"podAntiAffinity": "none"},
-        "redis": {"auth": {"existingSecret": "", "password": "from-the-secret-store"}},
+        "redis": {
+            "auth": {"existingSecret": "", "password": "from-the-secret-store"},
+            "acl": {
+                "workerPassword": "worker-pw-from-store",
+                "gatewayPassword": "gw-pw-from-store",
+            },
+        },
+        "grpcAuth": {"existingSecret": "", "token": "grpc-token-from-the-store"},
     },
 }
 
@@ -140,6 +154,31 @@ def find(items: list[Manifest], kind: str, component: str) -> Manifest:
     ]
     assert len(hits) == 1, f"expected one {kind} for {component}, got {[m.name for m in hits]}"
     return hits[0]
+
+
+def redis_acl_file(dest: Path, *, namespace: str, default: str, worker: str, gateway: str) -> Path:
+    """The Redis ACL file the chart's Redis pod would load, written to ``dest``.
+
+    Renders the ACL ConfigMap for ``redis.namespace`` and runs its ``render-acl.sh`` as
+    the pod's init container does (``sh``, ``sed``, ``sha256sum``) with these passwords.
+    """
+    items = manifests({"redis": {"namespace": namespace}})
+    data = next(m for m in items if m.kind == "ConfigMap" and m.name.endswith("-redis-acl"))
+    data_files = data.doc["data"]
+    template = dest.with_name(dest.name + ".in")
+    template.write_text(data_files["users.acl.in"])
+    script = dest.with_name("render-acl.sh")
+    script.write_text(data_files["render-acl.sh"])
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "ACL_TEMPLATE": str(template),
+        "ACL_FILE": str(dest),
+        "REDIS_PASSWORD": default,
+        "WORKER_PASSWORD": worker,
+        "GATEWAY_PASSWORD": gateway,
+    }
+    subprocess.run(["sh", str(script)], env=env, check=True, capture_output=True, timeout=30)
+    return dest
 
 
 def kinds(items: list[Manifest]) -> set[tuple[str, str]]:

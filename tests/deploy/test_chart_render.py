@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+from urllib.parse import urlsplit
 
 import helm_python as helm
 import kubernetes_validate
@@ -36,8 +37,8 @@ BASE_KINDS = {
     ("PodDisruptionBudget", "worker"),
 }
 # The Redis password is an existing Secret by default; the chart makes one only from
-# `redis.auth.password`.
-REDIS_KINDS = {("StatefulSet", "redis"), ("Service", "redis")}
+# `redis.auth.password`. The ConfigMap holds the ACL rules (redis.acl, on by default).
+REDIS_KINDS = {("StatefulSet", "redis"), ("Service", "redis"), ("ConfigMap", "redis")}
 MONITORING_KINDS = {
     ("ServiceMonitor", "gateway"),
     ("PodMonitor", "worker"),
@@ -47,12 +48,15 @@ MONITORING_KINDS = {
 EXPECTED_KINDS = {
     "default": BASE_KINDS | REDIS_KINDS | MONITORING_KINDS,
     "external-redis": BASE_KINDS | MONITORING_KINDS,
-    "monitoring-off": BASE_KINDS | REDIS_KINDS,
+    "monitoring-off": BASE_KINDS | (REDIS_KINDS - {("ConfigMap", "redis")}),
     "many-workers": (BASE_KINDS - {("HorizontalPodAutoscaler", "gateway")})
     | REDIS_KINDS
     | MONITORING_KINDS,
     "cpu-download-apikeys": BASE_KINDS | REDIS_KINDS | MONITORING_KINDS,
-    "tokenizer-init-hpa": BASE_KINDS | REDIS_KINDS | {("Secret", "redis")} | MONITORING_KINDS,
+    "tokenizer-init-hpa": BASE_KINDS
+    | REDIS_KINDS
+    | {("Secret", "redis"), ("Secret", "grpc-token")}
+    | MONITORING_KINDS,
 }
 
 # prometheus-operator kinds: kubernetes-validate ships schemas for built-in kinds only and no
@@ -145,7 +149,7 @@ def test_worker_statefulset_one_gpu_each_and_pod_ip_advertised() -> None:
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert worker[probe]["httpGet"] == {"path": "/health", "port": "http"}
     assert worker["startupProbe"]["failureThreshold"] * 10 == 1800
-    assert {v["name"] for v in pod["volumes"]} == {"model", "tmp", "dshm"}
+    assert {v["name"] for v in pod["volumes"]} == {"model", "tmp", "dshm", "grpc-token"}
     mounts = {v["name"]: v for v in worker["volumeMounts"]}
     assert mounts["model"] == {"name": "model", "mountPath": "/models", "readOnly": True}
     assert mounts["dshm"]["mountPath"] == "/dev/shm" and mounts["tmp"]["mountPath"] == "/tmp"
@@ -208,6 +212,7 @@ def test_redis_password_only_from_a_secret(variant: tuple[str, list[Manifest]]) 
     name, items = variant
     external = name == "external-redis"
     chart_secret = name == "tokenizer-init-hpa"  # redis.auth.password given
+    acl = name not in ("external-redis", "monitoring-off")  # redis.acl on (the default)
     secret_name = {True: "demo-kvroute-redis", False: "kvroute-redis"}[chart_secret]
     secret_name = "shared-redis" if external else secret_name
     secret_key = "password" if external else "redis-password"
@@ -221,22 +226,34 @@ def test_redis_password_only_from_a_secret(variant: tuple[str, list[Manifest]]) 
         m = find(items, "Deployment" if component == "gateway" else "StatefulSet", component)
         env = {e["name"]: e for e in m.doc["spec"]["template"]["spec"]["containers"][0]["env"]}
         ref = env["KVROUTE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
-        assert ref == {"name": secret_name, "key": secret_key}
+        # With ACLs each role has its own user and password, in the same Secret.
+        key = f"{component}-password" if acl else secret_key
+        assert ref == {"name": secret_name, "key": key}
     url = find(items, "ConfigMap", "gateway").doc["data"]["KVROUTE_REDIS_URL"]
     worker = find(items, "StatefulSet", "worker").doc["spec"]["template"]["spec"]["containers"][0]
-    assert _flag(worker["args"], "--redis-url") == url
-    assert "@" not in url
+    worker_url = _flag(worker["args"], "--redis-url")
+    for u in (url, worker_url):
+        assert urlsplit(u).password is None, u
     if external:
-        assert url == "rediss://redis.cache.example:6380/2"
+        assert url == worker_url == "rediss://redis.cache.example:6380/2"
         assert _flag(worker["args"], "--redis-namespace") == "fleet-a"
     else:
-        assert url == "redis://demo-kvroute-redis:6379/0"
+        if acl:
+            assert url == "redis://kvroute-gateway@demo-kvroute-redis:6379/0"
+            assert worker_url == "redis://kvroute-worker@demo-kvroute-redis:6379/0"
+        else:
+            assert url == worker_url == "redis://demo-kvroute-redis:6379/0"
         if chart_secret:
             secret = find(items, "Secret", "redis").doc
             assert secret["data"]["redis-password"] == "ZnJvbS10aGUtc2VjcmV0LXN0b3Jl"
+            assert set(secret["data"]) == {"redis-password", "worker-password", "gateway-password"}
         redis = find(items, "StatefulSet", "redis").doc["spec"]["template"]["spec"]
         args = redis["containers"][0]["args"]
-        assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+        if acl:  # the default user's password is in the ACL file, as a hash
+            assert "--requirepass" not in args
+            assert args[args.index("--aclfile") + 1] == "/run/redis-acl/users.acl"
+        else:
+            assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
         assert redis["securityContext"]["runAsNonRoot"] is True
 
 
@@ -276,6 +293,7 @@ def test_gateway_deployment_flags_probes_and_scaling() -> None:
         "--session-ttl",
         "--max-queue-per-worker",
         "--log-level",
+        "--grpc-token-file",
     }
     assert config["KVROUTE_POLICY"] == "kvroute" and config["KVROUTE_PORT"] == "8000"
     assert gateway["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]

@@ -64,6 +64,18 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ),
     # Neither an existing Secret nor a password: nothing stable to put in the Secret.
     ({"redis": {"auth": {"existingSecret": ""}}}, "/redis/auth/password"),
+    # The same for the ACL users' passwords and the gRPC token.
+    (
+        {"redis": {"auth": {"existingSecret": "", "password": "p"}}},
+        "/redis/acl/workerPassword",
+    ),
+    ({"grpcAuth": {"existingSecret": ""}}, "/grpcAuth/token"),
+    ({"grpcAuth": {"existingSecret": "", "token": "short"}}, "/grpcAuth/token"),
+    (
+        {"grpcAuth": {"existingSecret": "", "token": "has spaces in it, sixteen+"}},
+        "/grpcAuth/token",
+    ),
+    ({"grpcAuth": {"enabled": "yes"}}, "/grpcAuth/enabled"),
 ]
 
 

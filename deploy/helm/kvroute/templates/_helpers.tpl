@@ -86,17 +86,6 @@ redis-password
 {{- end }}
 {{- end }}
 
-{{/* KVROUTE_REDIS_PASSWORD from the Secret; the CLIs combine it with the URL. */}}
-{{- define "kvroute.redisPasswordEnv" -}}
-{{- if .Values.redis.auth.enabled -}}
-- name: KVROUTE_REDIS_PASSWORD
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "kvroute.redisSecretName" . }}
-      key: {{ include "kvroute.redisSecretKey" . }}
-{{- end }}
-{{- end }}
-
 {{/* Writable scratch for a read-only root filesystem: caches go under /tmp. */}}
 {{- define "kvroute.scratchEnv" -}}
 - name: HOME
