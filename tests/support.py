@@ -44,13 +44,19 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, what: s
 class RedisProcess:
     """A private ``redis-server`` on a loopback port that tests may stop and restart."""
 
-    def __init__(self, port: int | None = None, password: str | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        password: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server not found: apt-get install redis-server")
         self.binary = binary
         self.port = port or free_port()
         self.password = password
+        self.extra_args = extra_args  # more redis-server options, e.g. ("--aclfile", path)
         self.dir = Path(tempfile.mkdtemp(prefix="kvroute-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -77,6 +83,7 @@ class RedisProcess:
         ]
         if self.password:
             args += ["--requirepass", self.password]
+        args += list(self.extra_args)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_port(self.port, timeout=10)
         return self
