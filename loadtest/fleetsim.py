@@ -148,6 +148,7 @@ class FleetSimulation:
         self.inflight: dict[str, int] = dict.fromkeys(ids, 0)
         # The gateway's own prompt tokens sent but not yet through prefill, per worker.
         self.pending_prefill: dict[str, int] = dict.fromkeys(ids, 0)
+        self.pending: dict[str, int] = dict.fromkeys(ids, 0)  # sent, no first token yet
         self.finished_at: dict[str, list[float]] = {wid: [] for wid in ids}
         self.snapshot: dict[str, tuple[int, int, int, int]] = {
             wid: (0, 0, 0, w.cache.free_blocks) for wid, w in self.workers.items()
@@ -209,6 +210,7 @@ class FleetSimulation:
         )
         self.index.speculate(wid, shape.block_keys, now, self.cfg.speculative_ttl_s)
         self.inflight[wid] += 1
+        self.pending[wid] += 1
         self.pending_prefill[wid] += shape.prompt_tokens - rec.predicted_cached_tokens
         if shape.session is not None:
             self.sessions[shape.session] = (wid, now)
@@ -241,6 +243,7 @@ class FleetSimulation:
         assert rec is not None  # only scheduled while a prefill runs
         rec.ttft_s = now - rec.arrival_s
         self.pending_prefill[w.wid] -= rec.shape.prompt_tokens - rec.predicted_cached_tokens
+        self.pending[w.wid] -= 1
         if rec.stored:
             self._push(now + self.cfg.event_delay_s, _STORED, (w.wid, rec.stored))
         w.current = None
@@ -361,6 +364,9 @@ class FleetSimulation:
             queued_prefill_tokens=queued,
             prefill_tokens_per_s=cfg.prefill_tokens_per_s,
             inflight=self.inflight[wid],
+            pending=self.pending[wid],
+            held_blocks=self.index.block_count(wid),
+            capacity_blocks=cfg.capacity_blocks,
         )
 
     def _session_worker(self, shape: RequestShape, now: float) -> str | None:

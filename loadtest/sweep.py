@@ -1,6 +1,8 @@
 """The routing sweep: traces x fleet sizes x capacities x arrival rates, every policy, in the simulator.
 
     python -m loadtest.sweep --json docs/routing_sweep.json --markdown docs/routing_sweep.md
+    # try a router change against the baselines of an earlier sweep (kvroute only re-runs):
+    python -m loadtest.sweep --baselines docs/routing_sweep.json --router recompute_weight=8
 
 For each cell (workload, arrival rate, fleet size, per-worker capacity) every
 policy of ``loadtest.fleetsim.SIM_POLICIES`` replays the same shapes through
@@ -34,7 +36,7 @@ from typing import Any
 
 from contract.hashing import HashSpec
 from loadtest.fleetsim import SIM_POLICIES, SimConfig
-from loadtest.simulate import run_policy
+from loadtest.simulate import router_options, run_policy
 from loadtest.workloads import (
     RequestShape,
     TraceChains,
@@ -93,16 +95,41 @@ def shapes_for(w: Workload, rate: float, limit: int, seed: int) -> list[RequestS
 
 
 def run_cell(
-    w: Workload, shapes: Sequence[RequestShape], workers: int, capacity: int
+    w: Workload,
+    shapes: Sequence[RequestShape],
+    workers: int,
+    capacity: int,
+    *,
+    router: tuple[tuple[str, object], ...] = (),
+    known: dict[str, dict[str, float]] | None = None,
 ) -> dict[str, dict[str, float]]:
+    """Every policy's figures in one cell; ``known`` baselines are reused, not re-run."""
     out = {}
     for policy in SIM_POLICIES:
+        if known and policy != "kvroute" and policy in known:
+            out[policy] = known[policy]
+            continue
         cfg = SimConfig(
-            workers=workers, block_size=w.block_size, capacity_tokens=capacity, policy=policy
+            workers=workers,
+            block_size=w.block_size,
+            capacity_tokens=capacity,
+            policy=policy,
+            router_options=router if policy == "kvroute" else (),
         )
         r = run_policy(cfg, shapes, progress=False)
         out[policy] = {k: r[k] for k in ("hit_rate", "ttft_p50_s", "ttft_p99_s", "load_cov")}
     return out
+
+
+def stored_baselines(path: Path, seed: int, limit: int) -> dict[tuple[str, float, int, int], Any]:
+    """The policies of each cell of an earlier sweep run with the same seed and limit."""
+    data = json.loads(path.read_text())
+    if data.get("seed", 0) != seed or data.get("limit", 3000) != limit:
+        raise ValueError(f"--baselines {path}: it was run with another --seed or --limit")
+    return {
+        (c["workload"], c["rate"], c["workers"], c["capacity_tokens"]): c["policies"]
+        for c in data["cells"]
+    }
 
 
 def margins(cell: dict[str, dict[str, float]], hit_tol: float, p99_tol: float) -> dict[str, Any]:
@@ -125,13 +152,22 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     cells = []
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     sizes = [int(s) for s in args.fleet_sizes.split(",")]
+    router = router_options(args.router)
+    known = stored_baselines(args.baselines, args.seed, args.limit) if args.baselines else {}
     for name in names:
         w = WORKLOADS[name]
         for rate in w.rates:
             shapes = shapes_for(w, rate, args.limit, args.seed)
             for workers, capacity in itertools.product(sizes, w.capacities):
                 t0 = time.perf_counter()
-                cell = run_cell(w, shapes, workers, capacity)
+                cell = run_cell(
+                    w,
+                    shapes,
+                    workers,
+                    capacity,
+                    router=router,
+                    known=known.get((name, rate, workers, capacity)),
+                )
                 row = {
                     "workload": name,
                     "rate": rate,
@@ -161,6 +197,9 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         "cells_passing": sum(c["passes"] for c in cells),
         "cells_total": len(cells),
         "target_met": all(c["passes"] for c in cells),
+        "seed": args.seed,
+        "limit": args.limit,
+        "router": dict(router),
         "command": "python -m loadtest.sweep " + " ".join(args.argv),
     }
 
@@ -197,6 +236,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hit-tolerance", type=float, default=0.005)
     p.add_argument("--p99-tolerance", type=float, default=0.05)
+    p.add_argument(
+        "--router",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a RouterConfig field for kvroute's runs (repeatable)",
+    )
+    p.add_argument(
+        "--baselines",
+        type=Path,
+        help="reuse the other policies' figures from this earlier sweep JSON",
+    )
     p.add_argument("--json", type=Path, help="write the full result here")
     p.add_argument("--markdown", type=Path, help="write the table here")
     args = p.parse_args(argv)

@@ -219,6 +219,9 @@ class Dispatcher:
             queued_prefill_tokens=queued,
             prefill_tokens_per_s=rec.prefill_tokens_per_s,
             inflight=load.inflight,
+            pending=load.pending,
+            held_blocks=self.index.block_count(rec.worker_id),
+            capacity_blocks=rec.num_blocks,
         )
 
     # -- routing: candidates -> hash -> look up -> choose ---------------------------

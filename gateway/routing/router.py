@@ -11,26 +11,37 @@ The ``kvroute`` policy, step by step:
 1. Load of a worker = outstanding requests, ``max(running + waiting, inflight)``
    (the registry's count is shared by all gateways but lags a heartbeat; this
    gateway's ``inflight`` is exact but only its own; the larger is the safer).
-2. Bounded load: a worker whose load, counting this request, would exceed
-   ``balance_factor`` x the fleet's mean load (also counting this request) is
-   skipped, unless every worker would be. A hot prefix then spills to a second
-   worker, which caches it too. On fleets of N < 4 workers the factor is
-   capped at ``max(1.5, N / 2)``, so no worker holds more than half the
-   outstanding requests (three quarters on two workers). At low concurrency the bound is at least
-   ``LOAD_SLACK`` requests above the mean, so one request in flight does not
-   push a conversation off the worker that holds its cache.
+2. Bounded load, judged by the queue (work a worker has not started), not by
+   how many requests it runs: a worker is skipped, unless every worker would
+   be, when it has both more queued requests and more queued prefill time than
+   the fleet allows: ``balance_factor`` x the fleet's mean, and at least
+   ``QUEUE_SLACK`` requests / ``WORK_SLACK_S`` seconds above it. A hot prefix
+   then spills to a second worker, which caches it too. Both must hold: a
+   queue of cache hits drains in milliseconds (spilling it would duplicate the
+   prefix for nothing), and one long prefill is already priced by the score.
+   Running (decoding) requests do not count: a worker's batch takes them
+   without delaying a new prefill much, and counting them pushed
+   conversations off their cache on many-worker fleets at low load. On fleets
+   of N < 4 workers the factor is capped at ``max(1.5, N / 2)``.
 3. Score per remaining worker: the predicted time to first token,
    ``(queued_prefill_tokens + uncached_tokens + (recompute_weight - 1) *
-   duplicate_tokens) / prefill_rate + max(running, inflight) * decode_weight_s``,
-   where ``duplicate_tokens`` are the prompt tokens another worker already
-   holds but this one would recompute. With ``recompute_weight`` 1 this is
-   exactly this request's TTFT; above 1 it also charges what a duplicate costs
-   the fleet: the recompute delays every request queued behind it and evicts
-   other prefixes to make room. Without it, a short transient queue on the
-   worker holding a 10k-token prefix sends the request to a cold worker, and
-   on the Mooncake trace the fleet hit rate falls to 0.74x the ideal
-   (``loadtest.simulate``; docs/ROUTING.md has the sweep). Tokens no worker
-   holds cost the same everywhere and are not weighted.
+   pressure * duplicate_tokens) / prefill_rate + max(running, inflight) *
+   decode_weight_s``, where ``duplicate_tokens`` are the prompt tokens another
+   worker already holds but this one would recompute. With
+   ``recompute_weight`` 1 this is exactly this request's TTFT; above 1 it also
+   charges what a duplicate costs the fleet: the recompute delays every
+   request queued behind it and evicts other prefixes to make room. Without
+   it, a short transient queue on the worker holding a 10k-token prefix sends
+   the request to a cold worker. ``pressure`` (0..1) scales that charge by
+   how full this worker's cache is compared with the holder's:
+   ``1 - max(0, holder_fill - fill)``. When the holder's cache is full and
+   this worker's is empty, duplicating evicts nothing while piling more onto
+   the holder evicts live prefixes there, so only the TTFT counts; with
+   equally full caches (the steady state) or unknown capacities the full
+   charge applies. Without it a shared system prompt pins every new
+   conversation to the first worker that cached it, while the rest of the
+   fleet's cache sits empty. Tokens no worker holds cost the same everywhere
+   and are not weighted. docs/ROUTING.md has the sweep behind each rule.
 4. Workers within ``TIE_RELATIVE`` of the best score are tied: the
    session's last worker wins a tie, then the least loaded, then rotation.
 """
@@ -47,8 +58,10 @@ REASONS = ("cache", "session", "load", "fallback", "retry")
 # Predictions this close (relative) are noise in the measured prefill rates,
 # not a real difference: let affinity and load decide instead.
 TIE_RELATIVE = 0.05
-# Requests a worker may run above the mean before the bound applies (see step 2).
-LOAD_SLACK = 2
+# How far above the fleet's mean queue a worker may be before the bound applies
+# (step 2): queued requests, and seconds of queued prefill.
+QUEUE_SLACK = 2
+WORK_SLACK_S = 2.0
 # A prediction is never below this many tokens of work: the worker always
 # computes the last prompt token, even when every block is cached.
 _MIN_UNCACHED_TOKENS = 1
@@ -65,6 +78,16 @@ class WorkerState:
     queued_prefill_tokens: int = 0
     prefill_tokens_per_s: float = 0.0  # 0 = unknown: a default rate is assumed
     inflight: int = 0  # requests this gateway sent and that have not finished
+    pending: int = 0  # requests this gateway sent that have no first token yet
+    held_blocks: int = 0  # blocks the index believes this worker holds (any request's)
+    capacity_blocks: int = 0  # the worker's KV blocks (0 = unknown)
+
+    @property
+    def cache_fill(self) -> float | None:
+        """Fraction of the worker's cache in use (None when its capacity is unknown)."""
+        if self.capacity_blocks <= 0:
+            return None
+        return min(self.held_blocks / self.capacity_blocks, 1.0)
 
 
 @dataclass(frozen=True)
@@ -96,7 +119,7 @@ class RouterConfig:
     balance_factor: float = 2.0  # bounded load: skip workers above factor x mean load
     default_prefill_tokens_per_s: float = 5000.0
     decode_weight_s: float = 0.01
-    recompute_weight: float = 32.0  # cost of an uncached token relative to a queued one
+    recompute_weight: float = 12.0  # fleet cost of a duplicated token relative to a queued one
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -115,6 +138,11 @@ class RouterConfig:
 def worker_load(w: WorkerState) -> int:
     """Outstanding requests on ``w`` (see step 1 of the module docstring)."""
     return max(w.running + w.waiting, w.inflight)
+
+
+def worker_queue(w: WorkerState) -> int:
+    """Requests on ``w`` that have not started producing tokens."""
+    return max(w.waiting, w.pending)
 
 
 class Router:
@@ -163,12 +191,24 @@ class Router:
         """Seconds until ``w`` would emit this request's first token."""
         return self._cost(request, w, fleet_cached_tokens=0, recompute_weight=1.0)
 
-    def score(self, request: RouteRequest, w: WorkerState, fleet_cached_tokens: int) -> float:
+    def score(
+        self,
+        request: RouteRequest,
+        w: WorkerState,
+        fleet_cached_tokens: int,
+        holder_fill: float | None = None,
+    ) -> float:
         """The ranking cost of sending the request to ``w`` (step 3): lower is better.
 
-        ``fleet_cached_tokens`` is the longest cached prefix on any candidate.
+        ``fleet_cached_tokens`` is the longest cached prefix on any candidate and
+        ``holder_fill`` the cache fill of the worker holding it (None: unknown).
         """
-        return self._cost(request, w, fleet_cached_tokens, self.config.recompute_weight)
+        pressure = 1.0
+        fill = w.cache_fill
+        if holder_fill is not None and fill is not None:
+            pressure = 1.0 - max(0.0, holder_fill - fill)
+        weight = 1.0 + (self.config.recompute_weight - 1.0) * pressure
+        return self._cost(request, w, fleet_cached_tokens, weight)
 
     def _cost(
         self,
@@ -181,20 +221,27 @@ class Router:
         uncached = max(request.prompt_tokens - cached, _MIN_UNCACHED_TOKENS)
         duplicate = max(fleet_cached_tokens - cached, 0)
         work = w.queued_prefill_tokens + uncached + (recompute_weight - 1.0) * duplicate
-        rate = w.prefill_tokens_per_s or self.config.default_prefill_tokens_per_s
-        return work / rate + max(w.running, w.inflight) * self.config.decode_weight_s
+        return work / self._rate(w) + max(w.running, w.inflight) * self.config.decode_weight_s
+
+    def _rate(self, w: WorkerState) -> float:
+        return w.prefill_tokens_per_s or self.config.default_prefill_tokens_per_s
 
     def overloaded(self, workers: Sequence[WorkerState]) -> set[str]:
         """Ids of workers over the bounded-load limit (step 2), empty if all would be."""
-        loads = {w.worker_id: worker_load(w) for w in workers}
-        mean = (sum(loads.values()) + 1) / len(loads)
-        # On a small fleet a factor of 2 lets one worker hold most of the work
-        # (all of it on two workers): cap it so a worker holds at most half the
-        # fleet's outstanding requests, or three quarters on two workers.
-        factor = min(self.config.balance_factor, max(1.5, len(loads) / 2))
-        limit = max(factor * mean, mean + LOAD_SLACK)
-        over = {wid for wid, load in loads.items() if load + 1 > limit}
-        return set() if len(over) == len(loads) else over
+        queues = {w.worker_id: float(worker_queue(w)) for w in workers}
+        work_s = {w.worker_id: w.queued_prefill_tokens / self._rate(w) for w in workers}
+        # Counting this request in the queue length: it joins one of them.
+        over = self._above(queues, QUEUE_SLACK, extra=1.0) & self._above(work_s, WORK_SLACK_S)
+        return set() if len(over) == len(queues) else over
+
+    def _above(self, values: dict[str, float], slack: float, extra: float = 0.0) -> set[str]:
+        """Ids whose value (plus ``extra``) exceeds the bound over the fleet's mean."""
+        mean = (sum(values.values()) + extra) / len(values)
+        # On a small fleet a factor of 2 lets one worker hold most of the queue
+        # (all of it on two workers): cap it at half, or three quarters on two.
+        factor = min(self.config.balance_factor, max(1.5, len(values) / 2))
+        limit = max(factor * mean, mean + slack)
+        return {wid for wid, v in values.items() if v + extra > limit}
 
     # -- internals ------------------------------------------------------------
 
@@ -202,7 +249,8 @@ class Router:
         over = self.overloaded(ws)
         eligible = [w for w in ws if w.worker_id not in over]
         fleet_cached = max(self._cached_tokens(request, w) for w in ws)
-        cost = {w.worker_id: self.score(request, w, fleet_cached) for w in ws}
+        holder_fill = self._holder_fill(request, ws, fleet_cached)
+        cost = {w.worker_id: self.score(request, w, fleet_cached, holder_fill) for w in ws}
         best = min(cost[w.worker_id] for w in eligible)
         tied = [w for w in eligible if cost[w.worker_id] <= best * (1 + TIE_RELATIVE)]
         session = next((w for w in tied if w.worker_id == request.session_worker), None)
@@ -224,6 +272,19 @@ class Router:
             key=lambda w: (w.worker_id in over, cost[w.worker_id], worker_load(w)),
         )
         return self._decide(request, [chosen, *rest], reason)
+
+    def _holder_fill(
+        self, request: RouteRequest, ws: list[WorkerState], fleet_cached: int
+    ) -> float | None:
+        """Cache fill of the emptiest worker holding the longest prefix (None: unknown/none)."""
+        if fleet_cached <= 0:
+            return None
+        fills = [
+            w.cache_fill
+            for w in ws
+            if self._cached_tokens(request, w) == fleet_cached and w.cache_fill is not None
+        ]
+        return min(fills) if fills else None
 
     def _least_loaded_rotating(self, tied: list[WorkerState]) -> WorkerState:
         low = min(worker_load(w) for w in tied)

@@ -11,6 +11,7 @@ from gateway.routing.router import (
     RouteRequest,
     WorkerState,
     worker_load,
+    worker_queue,
 )
 
 BS = 16
@@ -70,52 +71,92 @@ def test_recompute_weight_keeps_a_long_prefix_through_a_short_queue() -> None:
         RouterConfig(recompute_weight=0.5)
 
 
-def test_bounded_load_skips_hot_worker() -> None:
+def test_bounded_load_skips_a_worker_with_a_long_queue_of_work() -> None:
     router = Router(RouterConfig(balance_factor=1.5))
-    # loads 6,0,0 -> mean with this request 7/3, limit max(3.5, 4.33) = 4.33; a: 7 > 4.33
-    ws = [WorkerState("a", 10, running=6), WorkerState("b", 0), WorkerState("c", 1)]
+    # a: 6 waiting, 30k tokens queued (6 s at the default 5000 tok/s); c: one short request
+    hot = WorkerState("a", 10, waiting=6, queued_prefill_tokens=30_000)
+    ws = [hot, WorkerState("b", 0), WorkerState("c", 1, waiting=1, queued_prefill_tokens=500)]
+    # queue: mean with this request 8/3, limit max(4, 4.67); a at 7 is over.
+    # work: mean 2.03 s, limit max(3.05, 4.03); a at 6 s is over too.
     assert router.overloaded(ws) == {"a"}
     d = router.choose(req(320), ws)
-    assert (d.worker_id, d.reason) == ("c", "load")
+    assert (d.worker_id, d.reason) == ("b", "load")  # c's queue costs more than b's cold start
     assert d.ranked[-1] == "a"  # the skipped worker is still a last-resort retry
+
+
+def test_a_queue_of_cache_hits_keeps_its_prefix() -> None:
+    # Many queued requests but little queued work (hits): spilling would only duplicate.
+    router = Router(RouterConfig())
+    hits = WorkerState("a", 30, waiting=8, queued_prefill_tokens=800)
+    assert router.overloaded([hits, WorkerState("b", 0), WorkerState("c", 0)]) == set()
+    # and one long prefill alone is priced by the score, not skipped by the bound
+    long_one = WorkerState("a", 30, waiting=1, queued_prefill_tokens=50_000)
+    assert router.overloaded([long_one, WorkerState("b", 0)]) == set()
+
+
+def test_running_requests_do_not_count_towards_the_bound() -> None:
+    # 40 decoding requests and an empty queue: the worker starts a new prefill at once.
+    router = Router(RouterConfig())
+    busy = WorkerState("a", 9, running=40, inflight=40)
+    assert router.overloaded([busy, WorkerState("b", 0), WorkerState("c", 0)]) == set()
+    # (the score still charges decode_weight_s per running request: 10 keep the prefix)
+    batch = WorkerState("a", 9, running=10, inflight=10)
+    assert router.choose(req(160), [batch, WorkerState("b", 0)]).worker_id == "a"
+
+
+def test_gateway_pending_counts_as_queue() -> None:
+    # The heartbeat says nothing waits, but this gateway sent 9 that have no first token.
+    router = Router(RouterConfig())
+    a = WorkerState("a", 9, pending=9, queued_prefill_tokens=40_000)
+    assert worker_queue(a) == 9
+    assert router.overloaded([a, WorkerState("b", 0), WorkerState("c", 0)]) == {"a"}
 
 
 def test_two_workers_still_bound_a_hot_prefix() -> None:
     # With 2 workers a factor of 2 could never trigger; it is capped at max(1.5, N/2).
     router = Router(RouterConfig(balance_factor=2.0))
-    hot = WorkerState("a", 30, running=5)
-    # mean with this request (5+0+1)/2 = 3, limit max(1.5*3, 3+2) = 5; a would be at 6
+    hot = WorkerState("a", 30, waiting=5, queued_prefill_tokens=25_000)
+    # queue: mean (5+0+1)/2 = 3, limit max(4.5, 5); a at 6. work: mean 2.5 s, limit 4.5 s; a 5 s
     assert router.overloaded([hot, WorkerState("b", 0)]) == {"a"}
     assert router.choose(req(640), [hot, WorkerState("b", 0)]).worker_id == "b"
-    # at 3 running, a would be at 4 <= limit max(1.5*2, 2+2) = 4: it keeps its prefix
-    warm = WorkerState("a", 30, running=3)
+    # at 3 waiting, a would be at 4 <= limit max(1.5*2, 2+2) = 4: it keeps its prefix
+    warm = WorkerState("a", 30, waiting=3, queued_prefill_tokens=25_000)
     assert router.overloaded([warm, WorkerState("b", 0)]) == set()
-
-
-def test_three_workers_hold_at_most_half() -> None:
-    router = Router(RouterConfig(balance_factor=2.0))
-    # loads 5,4,0: mean with this request 10/3, limit max(1.5*10/3, 10/3+2) = 5.33; a at 6
-    ws = [WorkerState("a", 2, running=5), WorkerState("b", 2, running=4), WorkerState("c", 0)]
-    assert router.overloaded(ws) == {"a"}
-    # 8 workers: the configured factor applies; mean 18/8, limit max(2 * 2.25, 2.25 + 2) = 4.5
-    eight = [WorkerState("a", 2, running=3)] + [
-        WorkerState(f"w{i}", 0, running=2) for i in range(7)
-    ]
-    assert router.overloaded(eight) == set()
-
-
-def test_one_request_in_flight_keeps_affinity() -> None:
-    router = Router(RouterConfig(balance_factor=1.5))
-    # loads 1,0,0: mean 2/3, limit max(1.0, 2.67): a (2) is within the slack
-    ws = [WorkerState("a", 9, inflight=1), WorkerState("b", 0), WorkerState("c", 0)]
-    assert router.overloaded(ws) == set()
-    assert router.choose(req(160), ws).worker_id == "a"
 
 
 def test_all_overloaded_means_none_skipped() -> None:
     router = Router(RouterConfig())
-    ws = [WorkerState("a", 0, running=5), WorkerState("b", 0, running=5)]
+    ws = [WorkerState(w, 0, waiting=5, queued_prefill_tokens=90_000) for w in "ab"]
     assert router.overloaded(ws) == set()
+
+
+def test_duplicate_charge_follows_cache_pressure() -> None:
+    router = Router(RouterConfig(recompute_weight=12.0, decode_weight_s=0.0))
+    r = req(1064)  # a 1000-token shared prefix (62 blocks of 16) plus a question
+    holder = WorkerState("a", 62, held_blocks=1000, capacity_blocks=1000)  # full
+    empty = WorkerState("b", 0, held_blocks=0, capacity_blocks=1000)
+    assert (holder.cache_fill, empty.cache_fill, WorkerState("c", 0).cache_fill) == (1.0, 0.0, None)
+    # an idle full holder still wins on TTFT alone (72 uncached tokens against 1064)
+    assert router.choose(r, [holder, empty]).worker_id == "a"
+    # holder full, b empty: duplicating the prefix on b evicts nothing; only TTFT counts
+    assert router.score(r, empty, 992, holder_fill=1.0) == pytest.approx(1064 / 5000)
+    # equally full caches (or unknown capacity): the full 11x charge on the 992 duplicated
+    full = WorkerState("b", 0, held_blocks=1000, capacity_blocks=1000)
+    assert router.score(r, full, 992, holder_fill=1.0) == pytest.approx((1064 + 11 * 992) / 5000)
+    assert router.score(r, WorkerState("b", 0), 992, holder_fill=1.0) == pytest.approx(
+        (1064 + 11 * 992) / 5000
+    )
+    # a new conversation goes to the empty worker rather than piling onto the full holder
+    # once the holder's queue costs more than the prefix: (1500 + 72) vs 1064 tokens
+    busy_holder = WorkerState(
+        "a", 62, waiting=1, queued_prefill_tokens=1500, held_blocks=1000, capacity_blocks=1000
+    )
+    assert router.choose(r, [busy_holder, empty]).worker_id == "b"
+    # the same queue with room left on the holder keeps the prefix where it is
+    roomy = WorkerState(
+        "a", 62, waiting=1, queued_prefill_tokens=1500, held_blocks=100, capacity_blocks=1000
+    )
+    assert router.choose(r, [roomy, empty]).worker_id == "a"
 
 
 def test_worker_load_takes_larger_of_registry_and_inflight() -> None:
