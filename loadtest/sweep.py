@@ -16,7 +16,9 @@ Workloads: ``mooncake`` (the conversation trace, 512-token blocks, its own
 timestamps scaled by the rate factor), ``chat`` (multi-turn users with a
 shared system prompt) and ``zipf_prefix`` (a few long shared prefixes with
 Zipf popularity, the traffic a prefix-threshold router like SGLang's is built
-for), both with 16-token blocks.
+for), both with 16-token blocks, and ``bursty`` (the two mixed, every arrival of
+each 20 s window squeezed into its first 4 s: five times the mean rate, then
+silence).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -38,6 +40,7 @@ from contract.hashing import HashSpec
 from loadtest.fleetsim import SIM_POLICIES, SimConfig
 from loadtest.simulate import router_options, run_policy
 from loadtest.workloads import (
+    Conversation,
     RequestShape,
     TraceChains,
     TraceTokens,
@@ -68,7 +71,20 @@ WORKLOADS = {
     "mooncake": Workload("mooncake", 512, (300_000, 3_000_000), (1.0, 2.0)),
     "chat": Workload("chat", 16, (16_384, 262_144), (1.0, 2.0)),
     "zipf_prefix": Workload("zipf_prefix", 16, (16_384, 262_144), (1.0, 2.0)),
+    "bursty": Workload("bursty", 16, (16_384, 262_144), (1.0, 2.0)),
 }
+BURST_PERIOD_S = 20.0
+BURST_ON_S = 4.0
+
+
+def bursty(convs: Sequence[Conversation]) -> list[Conversation]:
+    """``convs`` with every arrival of each period moved into the period's first seconds."""
+    squeeze = BURST_ON_S / BURST_PERIOD_S
+    out = []
+    for c in convs:
+        period = math.floor(c.start_s / BURST_PERIOD_S) * BURST_PERIOD_S
+        out.append(replace(c, start_s=period + (c.start_s - period) * squeeze))
+    return out
 
 
 def shapes_for(w: Workload, rate: float, limit: int, seed: int) -> list[RequestShape]:
@@ -77,21 +93,33 @@ def shapes_for(w: Workload, rate: float, limit: int, seed: int) -> list[RequestS
     if w.name == "mooncake":
         records = load_trace(TRACE, limit=limit, time_scale=1.0 / rate)
         return list(TraceChains(spec, TraceTokens(seed=seed)).shapes(records))
+    if w.name == "bursty":
+        chat = _synthetic("chat", rate, seed, users=64)
+        groups = _synthetic("zipf_prefix", rate * 0.5, seed + 1, groups=12, system_tokens=2000)
+        return conversation_shapes(bursty([*chat, *groups]), spec)
+    return conversation_shapes(_synthetic(w.name, rate, seed), spec)
+
+
+def _synthetic(name: str, rate: float, seed: int, **override: Any) -> list[Conversation]:
+    """The ``chat`` or ``zipf_prefix`` conversations at ``rate`` times the base arrival rate."""
+    chat = name == "chat"
     args = SimpleNamespace(
-        workload="chat" if w.name == "chat" else "shared-prefix",
+        workload="chat" if chat else "shared-prefix",
         users=128,
         turns=4,
-        system_tokens=1000 if w.name == "chat" else 3000,
+        system_tokens=1000 if chat else 3000,
         question_tokens=64,
-        answer_tokens=128 if w.name == "chat" else 32,
+        answer_tokens=128 if chat else 32,
         think_time_s=3.0,
-        arrival_rate=2.0 * rate if w.name == "chat" else 16.0 * rate,
+        arrival_rate=(2.0 if chat else 16.0) * rate,
         groups=24,
         prompts_per_group=32,
         zipf=1.1,
         seed=seed,
     )
-    return conversation_shapes(synthetic_workload(args), spec)
+    for key, value in override.items():
+        setattr(args, key, value)
+    return synthetic_workload(args)
 
 
 def run_cell(
