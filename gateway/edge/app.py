@@ -214,6 +214,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         poll_s=config.registry_poll_s,
         cluster=config.redis_cluster,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        registry=metrics.registry,
     )
     dispatcher = Dispatcher(
         mirror=mirror,

@@ -17,7 +17,15 @@ Four duties, all on the event loop, none of which waits on another:
    reload; the others' tail goes on.
 4. Upkeep: expire speculative entries, sweep cleared workers' old entries.
 
-When Redis goes away the last mirror stays (routing keeps working on it). On
+When Redis goes away the last mirror stays (routing keeps working on it). The
+same holds when Redis answers but every worker's registry key vanished at once
+while the directory still lists them: one worker dying looks like that, a whole
+fleet dying in the same poll looks like Redis trouble (a full ``noeviction``
+Redis refusing every heartbeat's ``HSET`` until the TTLs run out). The mirror
+keeps that last fleet for ``fleet_loss_grace_s``, logs it once and shows it in
+``kvroute_gateway_registry_held_workers`` and
+``kvroute_gateway_registry_fleet_vanished_total``; a worker that deregistered
+(left the directory) is dropped at once all the same. On
 reconnect nothing is reloaded blindly: one pipelined read of every stream's
 last id tells which workers' streams went back (a Redis that lost its data);
 only those reload, the others resume their tail and their ``seq`` decides.
@@ -38,6 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
@@ -63,6 +72,10 @@ _LOAD_BATCH = 16  # workers read per round trip when loading
 _LOAD_SLICE = 4096  # hashes staged into the index between yields (~5 ms)
 _CLUSTER_TAIL_S = 0.05
 _PRUNE_SLICE = 20_000  # speculative entries expired between yields (~8 ms)
+# A vanished fleet is kept this long: several heartbeat TTLs (default 3 s), long
+# enough for a Redis that refused writes for a moment to take them again, short
+# enough that a fleet that really died stops being routed to soon.
+FLEET_LOSS_GRACE_S = 15.0
 # Registry fields that change with every heartbeat; the rest only with an epoch.
 _LOAD_FIELDS = (
     "epoch",
@@ -154,6 +167,8 @@ class IndexMirror:
         on_drop: Callable[[str], None] | None = None,
         cluster: bool = False,
         tokenizer_fingerprint: str = "",
+        fleet_loss_grace_s: float = FLEET_LOSS_GRACE_S,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self.redis_url = redis_url
         self.layout = layout
@@ -168,6 +183,20 @@ class IndexMirror:
         # missing key means "dead" only once this grace after a connect is over.
         self.reconnect_grace_s = reconnect_grace_s
         self._connected_at = float("-inf")
+        # Every listed worker's key gone in one poll: Redis trouble, not deaths (module doc).
+        self.fleet_loss_grace_s = fleet_loss_grace_s
+        self._fleet_lost_at: float | None = None  # when the held fleet vanished
+        registry = registry if registry is not None else CollectorRegistry()
+        self.fleet_vanished = Counter(
+            "kvroute_gateway_registry_fleet_vanished",
+            "Times every worker's registry key vanished at once (kept as Redis trouble)",
+            registry=registry,
+        )
+        self.held_workers = Gauge(
+            "kvroute_gateway_registry_held_workers",
+            "Workers kept in routing although their registry key vanished (Redis trouble)",
+            registry=registry,
+        )
         self.on_drop = on_drop
         self.workers: dict[str, WorkerEntry] = {}
         self.redis_ok = False
@@ -333,8 +362,48 @@ class IndexMirror:
                         live.discard(wid)
         if time.monotonic() - self._connected_at < self.reconnect_grace_s:
             return  # see reconnect_grace_s: workers may not have re-registered yet
-        for wid in [w for w in self.workers if w not in live]:
-            self.drop_worker(wid)
+        missing = [w for w in self.workers if w not in live]
+        held = self._held(missing, live, set(ids))
+        for wid in missing:
+            if wid not in held:
+                self.drop_worker(wid)
+
+    def _held(self, missing: list[str], live: set[str], listed: set[str]) -> set[str]:
+        """The workers whose key is missing but that stay, as part of a vanished fleet.
+
+        Holding starts when two or more workers, all still in the directory, lose
+        their keys in the same poll with none left live (one key expiring is that
+        worker's death); it ends when any worker is live again, when they leave
+        the directory (deregistered) or after ``fleet_loss_grace_s``.
+        """
+        vanished = {w for w in missing if w in listed}
+        if live or not vanished:
+            self._end_hold("a worker is live again" if live else "the workers deregistered")
+            return set()
+        now = time.monotonic()
+        if self._fleet_lost_at is None:
+            if len(vanished) < 2 or len(vanished) != len(missing):
+                return set()
+            self._fleet_lost_at = now
+            self.fleet_vanished.inc()
+            logger.warning(
+                "every worker's registry key vanished at once (%d workers): treating it as "
+                "Redis trouble (full or flushed?) and keeping the last known fleet for %.0f s",
+                len(vanished),
+                self.fleet_loss_grace_s,
+            )
+        elif now - self._fleet_lost_at >= self.fleet_loss_grace_s:
+            self._end_hold(f"no registry key came back within {self.fleet_loss_grace_s:.0f} s")
+            return set()
+        self.held_workers.set(len(vanished))
+        return vanished
+
+    def _end_hold(self, why: str) -> None:
+        if self._fleet_lost_at is None:
+            return
+        self._fleet_lost_at = None
+        self.held_workers.set(0)
+        logger.warning("registry: no longer holding the vanished fleet (%s)", why)
 
     def _discover(self, wid: str, raw: Any) -> None:
         try:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
 
 from contract.events import AllBlocksCleared, BlockStored
 from contract.hashing import HashSpec
@@ -153,3 +155,66 @@ async def test_redis_outage_keeps_mirror_and_reloads(redis_process: RedisProcess
         assert mirror.index.longest_prefix([1, 9]) == {"w1": 2}
         assert mirror.reconnects >= 1
     await client.aclose()
+
+
+async def test_a_whole_fleet_vanishing_is_held_as_redis_trouble(
+    redis_url: str, redis_client: aioredis.Redis
+) -> None:
+    """Every key gone in one poll (a full Redis refusing heartbeats) keeps the fleet for
+    the grace, counted once; one key gone is a death; deregistered workers leave at once."""
+    layout = RedisLayout(namespace())
+    dropped: list[str] = []
+    metrics = CollectorRegistry()
+    mirror = IndexMirror(
+        redis_url,
+        layout,
+        BlockIndex(),
+        poll_s=0.05,
+        on_drop=dropped.append,
+        fleet_loss_grace_s=1.0,
+        registry=metrics,
+    )
+
+    def held() -> float | None:
+        return metrics.get_sample_value("kvroute_gateway_registry_held_workers")
+
+    def vanished() -> float | None:
+        return metrics.get_sample_value("kvroute_gateway_registry_fleet_vanished_total")
+
+    regs = [FakeRegistration(redis_client, layout, w, "127.0.0.1:1", SPEC) for w in "abc"]
+    for reg in regs:
+        await reg.register()
+        await reg.store([1, 2])
+    async with running(mirror):
+        await eventually(lambda: len(mirror.index.longest_prefix([1, 2])) == 3)
+        await regs[2].expire()  # one death: dropped as before
+        await eventually(lambda: dropped == ["c"], what="one worker's death")
+        for reg in regs[:2]:
+            await reg.expire()
+        await asyncio.sleep(0.5)  # ten polls, within the grace
+        assert sorted(mirror.workers) == ["a", "b"] and dropped == ["c"]
+        assert mirror.index.longest_prefix([1, 2]) == {"a": 2, "b": 2}
+        assert held() == 2
+        assert vanished() == 1
+        await regs[0].register()  # Redis takes writes again: b's key is still gone
+        await eventually(lambda: dropped == ["c", "b"], what="held fleet released")
+        assert held() == 0
+        await regs[0].register()
+        await regs[1].register()
+        await eventually(lambda: sorted(mirror.workers) == ["a", "b"], what="b back")
+        for reg in regs[:2]:
+            await reg.expire()
+        await asyncio.sleep(0.5)
+        assert sorted(mirror.workers) == ["a", "b"]  # held again, a second vanishing
+        await eventually(lambda: not mirror.workers, timeout=3, what="grace over")
+        assert vanished() == 2
+        assert held() == 0
+        # Deregistered workers (gone from the directory as well) are never held.
+        for reg in regs[:2]:
+            await reg.register()
+        await eventually(lambda: sorted(mirror.workers) == ["a", "b"], what="both back")
+        for reg in regs[:2]:
+            await reg.expire()
+            await redis_client.srem(layout.workers, reg.worker_id)
+        await eventually(lambda: not mirror.workers, timeout=0.5, what="deregistered drop")
+        assert vanished() == 2
