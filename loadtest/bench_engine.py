@@ -151,7 +151,7 @@ async def bench_throughput(engine: Any, prompts: list[list[int]], new_tokens: in
 
 async def run_engine_part(cfg: BenchConfig) -> tuple[dict, dict, dict]:
     from contract.hashing import HashSpec
-    from worker.engine.core import Engine, EngineConfig
+    from worker.engine.thread import Engine, EngineConfig
     from worker.model.runner import ModelRunner
 
     per_prompt = math.ceil((cfg.prompt_tokens + 1) / cfg.block_size)

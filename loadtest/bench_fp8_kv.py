@@ -84,7 +84,7 @@ async def generate_all(
     """Greedy outputs of every prompt (one batch) and the cache's bytes per token."""
     from contract.hashing import HashSpec
     from loadtest.bench_engine import run_request
-    from worker.engine.core import Engine, EngineConfig
+    from worker.engine.thread import Engine, EngineConfig
     from worker.model.runner import ModelRunner
 
     block_size = 16

@@ -10,8 +10,8 @@ import pytest
 
 from contract.hashing import HashSpec
 from worker.engine.batch import SeqChunk
-from worker.engine.core import Engine, EngineConfig
 from worker.engine.sequence import SamplingParams
+from worker.engine.thread import Engine, EngineConfig
 from worker.model.emulated import (
     PROFILES_DIR,
     EmulatedRunner,

@@ -31,8 +31,8 @@ from typing import Any
 import pytest
 
 from contract.hashing import HashSpec
-from worker.engine.core import Engine, EngineConfig
 from worker.engine.sequence import SamplingParams
+from worker.engine.thread import Engine, EngineConfig
 from worker.model.emulated import EmulatedRunner, EmulatedSampler, load_profile, resolve_profile
 
 PROFILE = "cpu-smollm2"

@@ -19,8 +19,8 @@ import torch
 from contract.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from contract.hashing import HashSpec, block_hashes
 from worker.engine.batch import SeqChunk
-from worker.engine.core import Engine, EngineConfig, EngineStats, RequestOutput
 from worker.engine.sequence import RequestTimings, SamplingParams
+from worker.engine.thread import Engine, EngineConfig, EngineStats, RequestOutput
 from worker.model.sampler import Sampler
 
 BS = 4

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from contract.hashing import HashSpec
-from worker.engine.core import Engine, EngineConfig, RequestOutput
 from worker.engine.sequence import SamplingParams
+from worker.engine.thread import Engine, EngineConfig, RequestOutput
 from worker.model.runner import ModelRunner
 
 # loadtest/gpu_check.sh runs this module with KVROUTE_TEST_DEVICE=cuda.

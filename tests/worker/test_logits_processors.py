@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from contract.hashing import HashSpec
-from worker.engine.core import Engine, EngineConfig
 from worker.engine.sequence import SamplingParams
+from worker.engine.thread import Engine, EngineConfig
 from worker.model.logits_processors import process, token_logprobs
 from worker.model.runner import ModelRunner
 

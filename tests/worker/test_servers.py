@@ -31,7 +31,7 @@ from contract import worker_pb2_grpc
 from contract.hashing import HashSpec
 from contract.redis_layout import RedisLayout, WorkerRecord, decode_block_set
 from tests.support import RedisProcess, free_port, wait_until
-from worker.engine.core import Engine, EngineConfig
+from worker.engine.thread import Engine, EngineConfig
 from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
 from worker.serve.grpc_server import WorkerService, start_grpc_server
 from worker.serve.http_server import create_app, start_http_server

@@ -1,8 +1,8 @@
-"""The engine's public value types: limits, per-step outputs, stats, errors.
+"""The engine's public value types: limits, per-step outputs, stats, errors, meters.
 
-Kept apart from ``worker.engine.core`` (the thread and its loop) so servers,
-metrics and tests can use them without reading the loop; ``worker.engine.core``
-re-exports every name.
+Kept apart from ``worker.engine.core`` (the step) and ``worker.engine.thread``
+(the thread and its asyncio API) so servers, metrics and tests can use them
+without reading the loop; ``worker.engine.thread`` re-exports the public names.
 """
 
 from __future__ import annotations
@@ -95,6 +95,25 @@ class RateMeter:
 
     def _mix(self, old: float, sample: float) -> float:
         return sample if old == 0.0 else self.alpha * sample + (1.0 - self.alpha) * old
+
+
+class EngineCounters:
+    """Monotonic totals over client requests: prompt, cached and generated tokens, requests."""
+
+    def __init__(self) -> None:
+        self.prompt = 0
+        self.cached = 0
+        self.generation = 0
+        self.requests = 0
+
+    def count(self, seq: Any, new_tokens: list[int]) -> None:
+        """Adds one output of ``seq`` (a ``worker.engine.sequence.Sequence``)."""
+        if len(seq.token_times) == len(new_tokens) and seq.num_cached_tokens is not None:
+            self.prompt += seq.num_prompt_tokens  # its first output: the prompt is settled
+            self.cached += seq.num_cached_tokens
+        self.generation += len(new_tokens)
+        if seq.is_finished:
+            self.requests += 1
 
 
 class EngineError(RuntimeError):

@@ -61,7 +61,7 @@ class WorkerProcess:
 
     async def start(self) -> None:
         """Loads the model and starts every component; raises if a port cannot be bound."""
-        from worker.engine.core import Engine, EngineConfig
+        from worker.engine.thread import Engine, EngineConfig
         from worker.model.store import resolve_model
         from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
         from worker.serve.grpc_server import WorkerService, start_grpc_server

@@ -26,8 +26,8 @@ import grpc
 from contract import worker_pb2 as pb
 from contract import worker_pb2_grpc
 from contract.grpc_auth import METADATA_KEY, is_bearer
-from worker.engine.core import EngineError
 from worker.engine.sequence import SamplingParams
+from worker.engine.types import EngineError
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ class FrontInfo:
     stall_s: float = 10.0  # /health fails past this long without an engine step
 
 
-# The engine and tokenizer are duck-typed (worker.engine.core.Engine, a transformers tokenizer).
+# The engine and tokenizer are duck-typed (worker.engine.thread.Engine, a transformers tokenizer).
 ENGINE: web.AppKey[Any] = web.AppKey("engine")
 TOKENIZER: web.AppKey[Any] = web.AppKey("tokenizer")
 METRICS = web.AppKey("metrics", WorkerMetrics)

@@ -42,7 +42,7 @@ from openai_api.responses import (
     usage_dict,
 )
 from openai_api.tools import ToolCallStream, call_deltas
-from worker.engine.core import EngineError
+from worker.engine.types import EngineError
 from worker.serve.http_helpers import (
     chat_render,
     detokenize,
