@@ -7,10 +7,10 @@ The bridge runs next to the engine (a sidecar in its pod) and, in order:
 2. waits for the engine's ``/health``, reads its served model, block size
    and capacity, and checks tokenizer agreement: the engine's ``/tokenize`` of
    ``contract.tokenizer_probe``'s chat must equal kvroute's own rendering, or
-   the bridge refuses to register;
+   the bridge refuses to register (``worker.bridge.engine_facts``);
 3. starts an epoch: a fresh ``ChainMap``, rebuilt by replaying the engine's
    buffered batches from seq 0, then the worker's own ``Publisher`` (the same
-   code a kvroute worker runs) announces it;
+   code a kvroute worker runs) announces it through an ``EngineView``;
 4. follows live batches: each is translated to kvroute hashes and queued for
    the publisher; ``/metrics`` is polled every heartbeat for the load;
 5. ends the epoch on an engine restart (seq reset, ``AllBlocksCleared``, a
@@ -26,27 +26,23 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from contract.hashing import HashSpec
 from contract.redis_layout import TRANSPORT_OPENAI_HTTP, WorkerRecord
-from contract.tokenizer_probe import PROBE_MESSAGES, PROBE_TEXT, fingerprint, probe_ids
 from worker.bridge.chain_map import ChainMap
 from worker.bridge.engine_events import ClearedBlocks, EngineBatch
-from worker.bridge.engine_http import EngineHTTP, EngineLoad, RateMeter
+from worker.bridge.engine_facts import EngineDescriber, EngineFacts, TokenizerMismatch
+from worker.bridge.engine_http import EngineHTTP, RateMeter
+from worker.bridge.engine_view import BridgeStats, EngineView, stats_from_load
 from worker.bridge.subscriber import EventSubscriber
 from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
 
 logger = logging.getLogger(__name__)
 
 EXIT_TOKENIZER_MISMATCH = 3
-
-
-class TokenizerMismatch(Exception):
-    """The engine tokenizes the probe differently from kvroute's own rendering."""
 
 
 @dataclass(frozen=True)
@@ -71,44 +67,6 @@ class BridgeConfig:
     replay_timeout_s: float = 2.0
 
 
-@dataclass(frozen=True)
-class EngineFacts:
-    """What the bridge learned about the engine at the start of an epoch."""
-
-    served_name: str
-    spec: HashSpec
-    num_blocks: int
-    max_model_len: int
-    tokenizer_fingerprint: str
-
-
-@dataclass
-class _Stats:
-    """The ``EngineView.stats()`` shape the publisher reads for each heartbeat."""
-
-    num_blocks: int = 0
-    running: int = 0
-    waiting: int = 0
-    queued_prefill_tokens: int = 0
-    free_blocks: int = 0
-    prefill_tokens_per_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
-
-
-@dataclass
-class _EngineView:
-    """The engine as the publisher sees it: the chain map's set and the last scrape."""
-
-    chain: ChainMap
-    load: _Stats = field(default_factory=_Stats)
-
-    def stats(self) -> _Stats:
-        return self.load
-
-    def resident_block_hashes(self) -> set[int]:
-        return self.chain.resident_block_hashes()
-
-
 @dataclass
 class _EpochEnd:
     reason: str  # "stopped" | "restart" | "cleared" | "gap" | "lost"
@@ -122,7 +80,12 @@ class Bridge:
         self, config: BridgeConfig, *, tokenizer_loader: Callable[[str], Any] | None = None
     ) -> None:
         self.config = config
-        self._load_tokenizer = tokenizer_loader or _auto_tokenizer
+        self.describer = EngineDescriber(
+            block_size=config.block_size,
+            model_name=config.model_name,
+            tokenizer=config.tokenizer,
+            tokenizer_loader=tokenizer_loader,
+        )
         self.subscriber = EventSubscriber(
             config.events,
             replay_endpoint=config.replay or None,
@@ -134,7 +97,6 @@ class Bridge:
         self.publisher: Publisher | None = None
         self.chain: ChainMap | None = None
         self._rates = RateMeter()
-        self._kvroute_probe: tuple[list[int], list[int]] | None = None
 
     # -- the whole life ----------------------------------------------------------------
 
@@ -149,7 +111,7 @@ class Bridge:
                     if not await self._wait_healthy(http, stop):  # 2
                         break
                     try:
-                        facts = await self._describe(http)
+                        facts = await self.describer.describe(http)
                     except TokenizerMismatch as exc:
                         logger.error("%s", exc)
                         return EXIT_TOKENIZER_MISMATCH
@@ -177,48 +139,6 @@ class Bridge:
             await _sleep_or_stop(stop, min(1.0, self.config.heartbeat_interval))
         return False
 
-    async def _describe(self, http: EngineHTTP) -> EngineFacts:
-        """Served model, block size, capacity and the tokenizer agreement check."""
-        served = await http.served_model()
-        load = await http.load()
-        block_size = self.config.block_size or load.block_size
-        if block_size <= 0:
-            raise ValueError("the engine's block size is unknown; pass --block-size")
-        try:
-            chat = await http.tokenize_chat(served.name, PROBE_MESSAGES)
-        except aiohttp.ClientResponseError as exc:
-            if exc.status != 400:
-                raise
-            chat = []  # the engine has no chat template (a base model)
-        text = await http.tokenize_text(served.name, PROBE_TEXT)
-        ours = self._kvroute_probe_ids(served.name)
-        if (chat, text) != ours:
-            first = next(
-                (i for i, (a, b) in enumerate(zip(chat, ours[0], strict=False)) if a != b),
-                min(len(chat), len(ours[0])),
-            )
-            raise TokenizerMismatch(
-                f"refusing to register: the engine at {http.url} tokenizes the probe chat "
-                f"differently from kvroute's tokenizer {self.config.tokenizer or served.name!r} "
-                f"(engine {len(chat)} ids, kvroute {len(ours[0])}, first difference at {first}; "
-                f"text probe {'equal' if text == ours[1] else 'differs'}). Serve the same "
-                "tokenizer and chat template on both sides."
-            )
-        spec = HashSpec(block_size=block_size, model=self.config.model_name or served.name)
-        return EngineFacts(
-            served_name=served.name,
-            spec=spec,
-            num_blocks=load.num_blocks,
-            max_model_len=served.max_model_len,
-            tokenizer_fingerprint=fingerprint(chat, text),
-        )
-
-    def _kvroute_probe_ids(self, served_name: str) -> tuple[list[int], list[int]]:
-        if self._kvroute_probe is None:
-            tokenizer = self._load_tokenizer(self.config.tokenizer or served_name)
-            self._kvroute_probe = probe_ids(tokenizer)
-        return self._kvroute_probe
-
     # -- one epoch -----------------------------------------------------------------------
 
     async def _epoch(
@@ -227,7 +147,7 @@ class Bridge:
         self.epochs += 1
         chain = ChainMap(facts.spec)
         self.chain = chain
-        view = _EngineView(chain, _Stats(num_blocks=facts.num_blocks))
+        view = EngineView(chain, BridgeStats(num_blocks=facts.num_blocks))
         queue = EventQueue()
         expected: int | None = None
         replayed: dict[int, EngineBatch] = {}  # batches a live frame may repeat
@@ -331,7 +251,7 @@ class Bridge:
                 return None  # a clear inside the gap: simplest to start over
         return batches[-1].seq + 1
 
-    async def _poll(self, http: EngineHTTP, view: _EngineView) -> bool:
+    async def _poll(self, http: EngineHTTP, view: EngineView) -> bool:
         """``/health``, then ``/metrics`` into the registry load; False if the engine is not serving."""
         if not await http.healthy():
             return False
@@ -341,7 +261,7 @@ class Bridge:
             logger.warning("engine /metrics unreadable (%s); keeping the last load", exc)
             return True
         self._rates.update(load)
-        view.load = _stats(load, view.load.num_blocks, self._rates)
+        view.load = stats_from_load(load, view.load.num_blocks, self._rates)
         return True
 
     # -- registry --------------------------------------------------------------------
@@ -379,28 +299,8 @@ class Bridge:
             self.publisher = None
 
 
-def _stats(load: EngineLoad, num_blocks: int, rates: RateMeter) -> _Stats:
-    blocks = load.num_blocks or num_blocks
-    return _Stats(
-        num_blocks=blocks,
-        running=load.running,
-        waiting=load.waiting,
-        free_blocks=load.free_blocks if load.num_blocks else blocks,
-        prefill_tokens_per_s=rates.prefill_tokens_per_s,
-        decode_tokens_per_s=rates.decode_tokens_per_s,
-    )
-
-
 def _host_port(url: str) -> str:
     return url.split("://", 1)[-1].rstrip("/").replace(":", "-").replace("/", "-")
-
-
-def _auto_tokenizer(name_or_path: str) -> Any:
-    from transformers import AutoTokenizer  # heavy: only when a bridge starts
-
-    from contract.model_paths import model_dir_for
-
-    return AutoTokenizer.from_pretrained(str(model_dir_for(name_or_path)))
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
