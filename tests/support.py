@@ -110,3 +110,43 @@ class RedisProcess:
 def env_redis_url() -> str | None:
     """``KVROUTE_TEST_REDIS_URL`` when the caller wants tests to use an existing Redis."""
     return os.environ.get("KVROUTE_TEST_REDIS_URL") or None
+
+
+def fill_redis(url: str) -> list[str]:
+    """Writes filler keys into the Redis at ``url`` until it refuses writes, and keeps it there.
+
+    For a Redis started with ``--maxmemory`` and ``noeviction``. After the first
+    refusal the limit is lowered a little below what is used: a refused command's
+    own buffer counts against maxmemory, so otherwise the next small write may fit
+    again. ``make_room(url, keys, maxmemory)`` undoes it. Returns the filler keys.
+    """
+    import redis
+
+    client = redis.Redis.from_url(url)
+    keys: list[str] = []
+    try:
+        while True:
+            key = f"filler:{len(keys)}"
+            try:
+                client.set(key, b"x" * 10_000)
+            except redis.exceptions.OutOfMemoryError:
+                break
+            keys.append(key)
+        used = int(client.info("memory")["used_memory"])
+        client.config_set("maxmemory", max(used - 64 * 1024, 1))
+    finally:
+        client.close()
+    return keys
+
+
+def make_room(url: str, keys: list[str], maxmemory: str) -> None:
+    """Restores ``maxmemory`` and deletes the filler ``fill_redis`` wrote."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        client.config_set("maxmemory", maxmemory)
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()

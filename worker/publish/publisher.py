@@ -2,7 +2,7 @@
 
 The engine thread calls ``EventQueue.put`` with each step's KV events; it never
 blocks (a full queue drops the events and marks "needs snapshot"). One asyncio
-task, ``Publisher``, owns every Redis write, in order:
+task, ``Publisher``, owns every block-set and stream write, in order:
 
 1. sync: on start (a new epoch) and after any doubt (an outage, an overflow, a
    registry key that vanished) it writes, in one MULTI/EXEC, the registry record,
@@ -11,7 +11,10 @@ task, ``Publisher``, owns every Redis write, in order:
 2. publish: each drained batch of events becomes one MULTI/EXEC that rewrites
    the block-set buckets it touched (``contract.redis_layout.BlockSetWriter``)
    plus one XADD with the next gap-free ``seq``.
-3. heartbeat: the registry hash with current load, with a TTL.
+3. heartbeat: the registry hash with current load, with a TTL, from a thread
+   of its own (``worker.publish.heartbeat``), never in the same transaction
+   as a block-set write: a loaded event loop or a full Redis refusing the
+   set's writes does not let the registry key lapse.
 
 Redis being down never reaches the engine: the task retries with backoff and
 re-syncs when Redis answers again. ``stop`` deregisters (deletes every key of
@@ -54,6 +57,7 @@ from contract.redis_layout import (
     RedisLayout,
     WorkerRecord,
 )
+from worker.publish.heartbeat import Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +146,9 @@ class PublisherConfig:
     retry_min_s: float = 0.1
     retry_max_s: float = 1.0
     op_timeout_s: float = 2.0
+    # An event loop silent this long answers no gRPC call either: the heartbeat
+    # thread stops and the registry key lapses. Far above any lag under load.
+    loop_stall_s: float = 30.0
     cluster: bool = False  # a Redis Cluster (this worker's keys share one hash-tag slot)
 
 
@@ -189,6 +196,21 @@ class Publisher:
         self.syncs = 0  # completed full syncs (tests and logs)
         self._last_snapshot_size = 0
         self._blockset = BlockSetWriter()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._resync = threading.Event()  # set by the heartbeat thread: Redis lost our keys
+        self._ticker: asyncio.Task[None] | None = None
+        self.heartbeat = Heartbeat(
+            config.redis_url,
+            self.layout,
+            config.worker_id,
+            self.current_record,
+            interval=config.heartbeat_interval,
+            ttl=config.heartbeat_ttl,
+            op_timeout_s=config.op_timeout_s,
+            loop_stall_s=config.loop_stall_s,
+            on_lost=self._lost_from_thread,
+            cluster=config.cluster,
+        )
 
     @property
     def synced(self) -> bool:
@@ -205,7 +227,7 @@ class Publisher:
 
     async def start(self) -> None:
         """Connects lazily and starts the task; never raises for an unreachable Redis."""
-        loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         factory: Any = RedisCluster.from_url if self.config.cluster else aioredis.from_url
         self._redis = factory(
             self.config.redis_url,
@@ -216,15 +238,27 @@ class Publisher:
             retry=Retry(NoBackoff(), 0),
         )
 
-        def wake_from_thread() -> None:
-            if self._wake_pending:
-                return
-            self._wake_pending = True
-            with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
-                loop.call_soon_threadsafe(self._on_wake)
-
-        self.queue.set_notify(wake_from_thread)
+        self.queue.set_notify(self._wake_from_thread)
         self._task = asyncio.create_task(self._run(), name="kvroute-publisher")
+        self._ticker = asyncio.create_task(self._tick(), name="kvroute-publisher-tick")
+        self.heartbeat.start()
+
+    def _wake_from_thread(self) -> None:
+        if self._wake_pending or self._loop is None:
+            return
+        self._wake_pending = True
+        with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
+            self._loop.call_soon_threadsafe(self._on_wake)
+
+    def _lost_from_thread(self) -> None:
+        self._resync.set()
+        self._wake_from_thread()
+
+    async def _tick(self) -> None:
+        """Tells the heartbeat thread that this loop still runs (see ``loop_stall_s``)."""
+        while True:
+            self.heartbeat.loop_alive()
+            await asyncio.sleep(self.config.heartbeat_interval)
 
     def _on_wake(self) -> None:
         self._wake_pending = False
@@ -234,11 +268,14 @@ class Publisher:
         """Stops the task and, if asked, deletes this worker's registry, set and stream."""
         self._stopping = True
         self.queue.set_notify(None)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        # No beat may land after the keys are deleted below.
+        await asyncio.to_thread(self.heartbeat.stop)
+        for task in (self._task, self._ticker):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._ticker = None
         if self._redis is None:
             return
         if deregister:
@@ -259,7 +296,8 @@ class Publisher:
     async def _deregister(self) -> None:
         assert self._redis is not None
         wid = self.config.worker_id
-        async with self._redis.pipeline(transaction=True) as pipe:
+        # Not a MULTI: a full Redis refuses a whole transaction, but each DEL on its own.
+        async with self._redis.pipeline(transaction=False) as pipe:
             # The registry key goes first: gateways drop the worker as soon as it is gone.
             pipe.delete(self.layout.worker(wid))
             pipe.delete(self.layout.blocks(wid))
@@ -269,7 +307,6 @@ class Publisher:
 
     async def _run(self) -> None:
         backoff = self.config.retry_min_s
-        next_heartbeat = 0.0
         outage_logged = False
         while not self._stopping:
             try:
@@ -283,12 +320,12 @@ class Publisher:
                         )
                     outage_logged = False
                     backoff = self.config.retry_min_s
-                    next_heartbeat = time.monotonic() + self.config.heartbeat_interval
                     continue
-                timeout = max(0.0, next_heartbeat - time.monotonic())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout)
+                await self._wake.wait()
                 self._wake.clear()
+                if self._resync.is_set():
+                    self._synced = False
+                    continue
                 if self.queue.take_overflow():
                     logger.warning(
                         "worker %s: event queue overflowed; sending a snapshot",
@@ -302,13 +339,6 @@ class Publisher:
                     continue
                 if len(self.queue):
                     self._wake.set()  # more than one batch was waiting
-                if time.monotonic() >= next_heartbeat:
-                    next_heartbeat = time.monotonic() + self.config.heartbeat_interval
-                    if not await self._heartbeat():
-                        logger.warning(
-                            "worker %s: registry key was missing; re-syncing", self.config.worker_id
-                        )
-                        self._synced = False
             except (RedisError, OSError, TimeoutError) as exc:
                 if not outage_logged:
                     logger.warning(
@@ -343,6 +373,7 @@ class Publisher:
                     if last.epoch == self.epoch:
                         self._seq = last.seq + 1
         # Anything queued is superseded by the snapshot; later events re-apply idempotently.
+        self._resync.clear()
         self.queue.discard()
         self.queue.take_overflow()
         hashes = sorted(self.engine.resident_block_hashes())
@@ -369,6 +400,7 @@ class Publisher:
         self._seq = seq + 1
         self._started_epoch = True
         self._synced = True
+        self.heartbeat.arm()
         self._last_snapshot_size = len(hashes)
         self.syncs += 1
         logger.info(
@@ -408,16 +440,6 @@ class Publisher:
         self._seq += 1
         # A missing registry key means Redis lost our state (restart, flush): re-sync.
         return bool(results[0])
-
-    async def _heartbeat(self) -> bool:
-        """Refreshes registry + TTL. False when the key had to be created (it was lost)."""
-        assert self._redis is not None
-        async with self._redis.pipeline(transaction=True) as pipe:
-            self._queue_heartbeat(pipe)
-            results = await pipe.execute()
-        # The directory is in another Cluster slot than this worker's keys.
-        await self._redis.sadd(self.layout.workers, self.config.worker_id)
-        return int(results[0]) == 0
 
     def _queue_heartbeat(self, pipe: Any) -> None:
         wid = self.config.worker_id
