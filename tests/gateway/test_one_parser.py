@@ -12,7 +12,12 @@ from typing import Any
 import pytest
 
 from tests.gateway.conftest import MODEL, Harness
-from tests.worker.test_servers import Stack, runner, stack, tokenizer  # noqa: F401 (fixtures)
+from tests.worker.server_stack import (  # noqa: F401 (fixtures)
+    Stack,
+    stack,
+    stack_runner,
+    stack_tokenizer,
+)
 
 CHAT = [{"role": "user", "content": "hello there"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -2,7 +2,7 @@
 
 The engine here is a tiny stand-in whose resident set and events the test
 drives directly, so every expectation is exact; the publisher's behaviour
-with the real engine is covered in ``test_servers.py``.
+with the real engine is covered in ``test_grpc_front.py`` and ``test_worker_process.py``.
 """
 
 from __future__ import annotations
