@@ -9,7 +9,9 @@ prompt tokens / prompt tokens, from the usage the gateway returns), mean and
 p50 TTFT, plus overall numbers, the routing reasons the gateway reported, and
 the workers' own ``/metrics`` hit rate as a cross-check. ``acceptance`` compares
 the policies over turns >= ``--from-turn``. ``--plot`` draws hit rate and TTFT
-per turn, one line per policy.
+per turn, one line per policy. What is asked of the workers outside the workload
+is ``loadtest.fleet_probe``; the summaries and the acceptance check are
+``loadtest.fleet_summary``, the plot ``loadtest.plots``.
 
 Usage: ``python -m loadtest.bench_fleet --workers 2 --policies kvroute,round_robin
 [--users 6 --turns 4 --model smollm2 --plot docs/bench_fleet.png --json]``.
@@ -22,35 +24,26 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
-import re
 import sys
 import time
-import urllib.request
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import aiohttp
 
-from loadtest import stats
 from loadtest.client import ClientConfig, RequestResult, send_one
 from loadtest.fleet import Fleet, FleetConfig
+from loadtest.fleet_probe import counters_delta, served_model, warm_up, worker_counters
+from loadtest.fleet_summary import acceptance, jsonable, summarize, unscale
 from loadtest.workloads import ChatConfig, Conversation, chat_workload
 
 logger = logging.getLogger(__name__)
 
-REASON_HEADER = "x-kvroute-reason"
 ENGINES = ("torch", "emulated", "vllm")  # vllm: real vLLM CPU servers behind bridges
 # The GPU profile the README's fleet-scale figures use (worker/model/profiles/).
 DEFAULT_PROFILE = "h100-llama3.1-8b"
-_COUNTER_RE = re.compile(
-    r"^(kvroute_worker_(?:cached_)?prompt_tokens_total|vllm:prompt_tokens(?:_cached)?_total)"
-    r"(?:\{[^}]*\})?\s+([0-9.eE+-]+)$",
-    re.M,
-)
 
 
 @dataclass(frozen=True)
@@ -101,75 +94,6 @@ class FleetBenchConfig:
 
 
 # -- talking to the fleet -------------------------------------------------------------------------
-
-
-def get_json(url: str, timeout: float = 10.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def served_model(base_url: str) -> str:
-    """The model id an OpenAI endpoint serves (first entry of /v1/models)."""
-    return str(get_json(f"{base_url}/v1/models")["data"][0]["id"])
-
-
-def worker_counters(worker_urls: Sequence[str]) -> dict[str, tuple[float, float]]:
-    """``(prompt_tokens, cached_prompt_tokens)`` counters from each worker's /metrics."""
-    out = {}
-    for url in worker_urls:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        values: dict[str, float] = {}
-        for name, value in _COUNTER_RE.findall(text):
-            values[name] = values.get(name, 0.0) + float(value)
-        out[url] = (  # a vLLM worker reports the same two counters under its own names
-            values.get(
-                "kvroute_worker_prompt_tokens_total", values.get("vllm:prompt_tokens_total", 0.0)
-            ),
-            values.get(
-                "kvroute_worker_cached_prompt_tokens_total",
-                values.get("vllm:prompt_tokens_cached_total", 0.0),
-            ),
-        )
-    return out
-
-
-def counters_delta(
-    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
-) -> dict[str, Any]:
-    """Prompt/cached token deltas per worker and the fleet's hit rate over them."""
-    per = {url: (after[url][0] - before[url][0], after[url][1] - before[url][1]) for url in after}
-    prompt = sum(p for p, _ in per.values())
-    cached = sum(c for _, c in per.values())
-    return {
-        "prompt_tokens": int(prompt),
-        "cached_tokens": int(cached),
-        "hit_rate": cached / prompt if prompt else math.nan,
-        "prompt_share": stats.load_share({url: p for url, (p, _) in per.items()}),
-    }
-
-
-def warm_up(worker_urls: Sequence[str], model: str) -> None:
-    """One short request per worker, straight to its HTTP front, with a prompt nobody reuses.
-
-    The first forward pass of a fresh process pays one-off costs (allocations,
-    kernel selection) that would otherwise land on whichever turn-1 request
-    reaches that worker first.
-    """
-    for i, url in enumerate(worker_urls):
-        body = {
-            "model": model,
-            "messages": [{"role": "user", "content": f"warm up number {i}: say hello"}],
-            "max_tokens": 4,
-            "temperature": 0,
-        }
-        req = urllib.request.Request(
-            f"{url}/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            resp.read()
 
 
 @contextlib.contextmanager
@@ -225,87 +149,6 @@ async def play(
     return out
 
 
-def per_turn(results: Sequence[RequestResult]) -> dict[str, dict[str, Any]]:
-    """Per 1-based turn: requests, mean prompt tokens, hit rate, TTFT mean/p50/p99, reasons."""
-    out: dict[str, dict[str, Any]] = {}
-    for turn in sorted({r.turn for r in results}):
-        rows = [r for r in results if r.turn == turn and r.ok]
-        ttfts = [r.ttft_s for r in rows if r.ttft_s is not None]
-        lat = stats.latency_summary(ttfts)
-        out[str(turn + 1)] = {
-            "requests": len(rows),
-            "prompt_tokens_mean": (
-                sum(r.prompt_tokens for r in rows) / len(rows) if rows else math.nan
-            ),
-            "hit_rate": stats.hit_rate(
-                [r.cached_tokens for r in rows], [r.prompt_tokens for r in rows]
-            ),
-            "ttft_mean_s": lat["mean"],
-            "ttft_p50_s": lat["p50"],
-            "ttft_p99_s": lat["p99"],
-            "reasons": _reasons(rows),
-        }
-    return out
-
-
-def _reasons(rows: Sequence[RequestResult]) -> dict[str, int]:
-    """How many of ``rows`` the gateway routed for each reason ("?" = no reason header)."""
-    return dict(sorted(Counter(r.headers.get(REASON_HEADER, "?") for r in rows).items()))
-
-
-def summarize(results: Sequence[RequestResult], from_turn: int) -> dict[str, Any]:
-    """Overall, per-turn and turn >= ``from_turn`` numbers of one policy's run."""
-    ok = [r for r in results if r.ok]
-    late = [r for r in ok if r.turn + 1 >= from_turn]
-    start = min((r.sent_s for r in results), default=0.0)
-    end = max((r.sent_s + (r.e2e_s or 0.0) for r in ok), default=0.0)
-    ttft = stats.latency_summary([r.ttft_s for r in ok if r.ttft_s is not None])
-    late_ttft = stats.latency_summary([r.ttft_s for r in late if r.ttft_s is not None])
-    per_worker: dict[str, int] = Counter()
-    for r in ok:
-        per_worker[r.worker or "?"] += r.prompt_tokens
-    return {
-        "requests": len(results),
-        "ok": len(ok),
-        "errors": stats.error_summary(r.error for r in results),
-        "hit_rate": stats.hit_rate([r.cached_tokens for r in ok], [r.prompt_tokens for r in ok]),
-        "ttft_mean_s": ttft["mean"],
-        "ttft_p50_s": ttft["p50"],
-        "ttft_p99_s": ttft["p99"],
-        "late_turns": {
-            "from_turn": from_turn,
-            "requests": len(late),
-            "hit_rate": stats.hit_rate(
-                [r.cached_tokens for r in late], [r.prompt_tokens for r in late]
-            ),
-            "ttft_mean_s": late_ttft["mean"],
-            "ttft_p50_s": late_ttft["p50"],
-        },
-        "throughput_rps": stats.throughput(len(ok), start, end),
-        "output_tokens_per_s": stats.throughput(sum(r.completion_tokens for r in ok), start, end),
-        "load_share": stats.load_share(dict(per_worker)),
-        "reasons": _reasons(ok),
-        "per_turn": per_turn(results),
-    }
-
-
-def acceptance(by_policy: dict[str, dict[str, Any]], from_turn: int) -> dict[str, Any]:
-    """kvroute vs round_robin over turns >= ``from_turn``: hit rate and TTFT ratio."""
-    if "kvroute" not in by_policy or "round_robin" not in by_policy:
-        return {"checked": False, "why": "needs both kvroute and round_robin"}
-    kv, rr = by_policy["kvroute"]["late_turns"], by_policy["round_robin"]["late_turns"]
-    ratio = rr["ttft_mean_s"] / kv["ttft_mean_s"] if kv["ttft_mean_s"] > 0 else math.nan
-    return {
-        "checked": True,
-        "from_turn": from_turn,
-        "kvroute_hit_rate": kv["hit_rate"],
-        "round_robin_hit_rate": rr["hit_rate"],
-        "ttft_mean_ratio_rr_over_kvroute": ratio,
-        "hit_rate_ge_90pct": kv["hit_rate"] >= 0.90,
-        "ttft_2x_lower": ratio >= 2.0,
-    }
-
-
 def measure(
     cfg: FleetBenchConfig,
     base_url: str,
@@ -328,23 +171,6 @@ def measure(
     out.update(summarize(results, cfg.from_turn))
     out["worker_metrics"] = counters_delta(before, worker_counters(worker_urls))
     return out
-
-
-def unscale(results: list[RequestResult], scale: float) -> list[RequestResult]:
-    """Times of a run slowed down ``scale`` times (emulated engine, arrivals) back in real units.
-
-    With ``--emulated-time-scale K`` every engine step and every arrival gap is
-    K times longer, so the host's own CPU costs (HTTP, routing) shrink K-fold
-    relative to the emulated GPU; dividing by K reports the emulated fleet's times.
-    """
-    if scale == 1.0:
-        return results
-    for r in results:
-        r.sent_s /= scale
-        r.ttft_s = None if r.ttft_s is None else r.ttft_s / scale
-        r.e2e_s = None if r.e2e_s is None else r.e2e_s / scale
-        r.itl_s = [gap / scale for gap in r.itl_s]
-    return results
 
 
 def fleet_config(cfg: FleetBenchConfig, policy: str, name: str = "") -> FleetConfig:
@@ -390,17 +216,6 @@ def _fleet(cfg: FleetBenchConfig, policy: str) -> Fleet:
 
     blocks = max(65, cfg.num_blocks * FleetConfig.block_size // VLLM_BLOCK_SIZE)
     return VllmFleet(replace(fleet_config(cfg, policy), startup_timeout=600.0), num_blocks=blocks)
-
-
-def jsonable(obj: Any) -> Any:
-    """``obj`` with NaN/inf floats as ``None``, so the output is strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [jsonable(v) for v in obj]
-    return obj
 
 
 def run(cfg: FleetBenchConfig, *, progress: bool = False) -> dict[str, Any]:

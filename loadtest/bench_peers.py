@@ -43,13 +43,13 @@ from loadtest.bench_fleet import (
     add_fleet_flags,
     fleet_config,
     fleet_config_from_args,
-    jsonable,
     measure,
     run_policy,
     torch_threads,
 )
 from loadtest.client import RequestResult
 from loadtest.fleet import Fleet, free_port
+from loadtest.fleet_summary import jsonable
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ aiperf cannot do with real answers fed back (chat) or Zipf groups.
 
 Hit rate comes from the workers' own counters; TTFT and tokens/s from the
 client. Times are reported in the emulated GPU's units (divided back by
-``--emulated-time-scale``).
+``--emulated-time-scale``). The verdict and the markdown table are
+``loadtest.peers_report``.
 """
 
 from __future__ import annotations
@@ -42,16 +43,12 @@ from typing import Any
 import aiohttp
 
 from loadtest import aiperf_client, stats
-from loadtest.bench_fleet import (
-    FleetBenchConfig,
-    counters_delta,
-    fleet_config,
-    served_model,
-    unscale,
-    worker_counters,
-)
+from loadtest.bench_fleet import FleetBenchConfig, fleet_config
 from loadtest.client import ClientConfig, RequestResult, send_one
 from loadtest.fleet import Fleet, free_port
+from loadtest.fleet_probe import counters_delta, served_model, worker_counters
+from loadtest.fleet_summary import unscale
+from loadtest.peers_report import verdict
 from loadtest.workloads import (
     ChatConfig,
     Conversation,
@@ -315,45 +312,6 @@ def run_router(
     return out
 
 
-def verdict(table: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """kvroute vs every peer on every workload, and 3 replicas vs 1; ``target_met`` from these."""
-    checks: dict[str, Any] = {}
-    ok = True
-    for workload, rows in table.items():
-        kv = rows.get("kvroute", {})
-        if "hit_rate" not in kv:
-            checks[workload] = {"checked": False}
-            ok = False
-            continue
-        row: dict[str, Any] = {}
-        for peer in ("kvroute_round_robin", "sglang", "vllm"):
-            p = rows.get(peer, {})
-            if "hit_rate" not in p:
-                row[peer] = "missing"
-                ok = False
-                continue
-            wins = {
-                "hit_rate": kv["hit_rate"] >= p["hit_rate"],
-                "ttft_p50_s": kv["ttft_p50_s"] <= p["ttft_p50_s"],
-                "ttft_p99_s": kv["ttft_p99_s"] <= p["ttft_p99_s"],
-            }
-            row[peer] = wins
-            ok = ok and all(wins.values())
-        r3 = rows.get("kvroute_3_replicas", {})
-        if "hit_rate" in r3:
-            same = {
-                "hit_rate_within_5pct": r3["hit_rate"] >= 0.95 * kv["hit_rate"],
-                "ttft_p99_within_5pct": r3["ttft_p99_s"] <= 1.05 * kv["ttft_p99_s"],
-            }
-            row["kvroute_3_replicas"] = same
-            ok = ok and all(same.values())
-        else:
-            row["kvroute_3_replicas"] = "missing"
-            ok = False
-        checks[workload] = row
-    return {"checks": checks, "target_met": ok}
-
-
 def run(cfg: FleetBenchConfig, pcfg: Any, mcfg: MatrixConfig, command: str) -> dict[str, Any]:
     """Every router (fresh fleet each) x every workload; the issue's JSON shape."""
     by_router: dict[str, dict[str, dict[str, Any]]] = {}
@@ -408,22 +366,3 @@ def matrix_config(args: Any) -> MatrixConfig:
         trace_block_tokens=args.trace_block_tokens,
         trace_speedup=args.trace_speedup,
     )
-
-
-def markdown(result: dict[str, Any]) -> str:
-    """The headline table of a run: one row per workload and router."""
-    lines = [
-        "| workload | router | hit rate | TTFT p50 | TTFT p99 | output tok/s | max worker share |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for workload, rows in result["workloads"].items():
-        for router, r in rows.items():
-            if "hit_rate" not in r:
-                lines.append(f"| {workload} | {router} | error: {r.get('error', '?')} | | | | |")
-                continue
-            lines.append(
-                f"| {workload} | {router} | {r['hit_rate']:.3f} | {r['ttft_p50_s'] * 1000:.1f} ms "
-                f"| {r['ttft_p99_s'] * 1000:.1f} ms | {r['tokens_per_s']:.0f} "
-                f"| {r['max_worker_share']:.2f} |"
-            )
-    return "\n".join(lines) + "\n"

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from loadtest.aiperf_client import hub_cache, rescale_trace
-from loadtest.peers_matrix import markdown, verdict
+from loadtest.peers_report import markdown, verdict
 
 
 def test_rescale_trace_keeps_hash_ids_and_scales_lengths(tmp_path: Path) -> None:

@@ -1,0 +1,93 @@
+"""What a benchmark asks a running fleet's workers over HTTP, outside the workload.
+
+The served model (``/v1/models``), the prompt and cached-prompt token counters
+from each worker's ``/metrics`` (kvroute's names or vLLM's) and their deltas
+over a run, and one warm-up request per worker. Used by ``bench_fleet``,
+``bench_peers`` and ``peers_matrix``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from loadtest import stats
+
+_COUNTER_RE = re.compile(
+    r"^(kvroute_worker_(?:cached_)?prompt_tokens_total|vllm:prompt_tokens(?:_cached)?_total)"
+    r"(?:\{[^}]*\})?\s+([0-9.eE+-]+)$",
+    re.M,
+)
+
+
+def get_json(url: str, timeout: float = 10.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def served_model(base_url: str) -> str:
+    """The model id an OpenAI endpoint serves (first entry of /v1/models)."""
+    return str(get_json(f"{base_url}/v1/models")["data"][0]["id"])
+
+
+def worker_counters(worker_urls: Sequence[str]) -> dict[str, tuple[float, float]]:
+    """``(prompt_tokens, cached_prompt_tokens)`` counters from each worker's /metrics."""
+    out = {}
+    for url in worker_urls:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        values: dict[str, float] = {}
+        for name, value in _COUNTER_RE.findall(text):
+            values[name] = values.get(name, 0.0) + float(value)
+        out[url] = (  # a vLLM worker reports the same two counters under its own names
+            values.get(
+                "kvroute_worker_prompt_tokens_total", values.get("vllm:prompt_tokens_total", 0.0)
+            ),
+            values.get(
+                "kvroute_worker_cached_prompt_tokens_total",
+                values.get("vllm:prompt_tokens_cached_total", 0.0),
+            ),
+        )
+    return out
+
+
+def counters_delta(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, Any]:
+    """Prompt/cached token deltas per worker and the fleet's hit rate over them."""
+    per = {url: (after[url][0] - before[url][0], after[url][1] - before[url][1]) for url in after}
+    prompt = sum(p for p, _ in per.values())
+    cached = sum(c for _, c in per.values())
+    return {
+        "prompt_tokens": int(prompt),
+        "cached_tokens": int(cached),
+        "hit_rate": cached / prompt if prompt else math.nan,
+        "prompt_share": stats.load_share({url: p for url, (p, _) in per.items()}),
+    }
+
+
+def warm_up(worker_urls: Sequence[str], model: str) -> None:
+    """One short request per worker, straight to its HTTP front, with a prompt nobody reuses.
+
+    The first forward pass of a fresh process pays one-off costs (allocations,
+    kernel selection) that would otherwise land on whichever turn-1 request
+    reaches that worker first.
+    """
+    for i, url in enumerate(worker_urls):
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"warm up number {i}: say hello"}],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        req = urllib.request.Request(
+            f"{url}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            resp.read()
