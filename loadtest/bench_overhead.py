@@ -8,7 +8,8 @@ gRPC to its fakes (registered in a private Redis with the real publisher);
 the peers talk OpenAI HTTP to theirs. The peers are the Rust binaries from PyPI
 (``loadtest.bench_peers.ensure_peer_venv``), in ``round_robin`` and
 ``cache_aware``. Rounds interleave the routers (A/B/A/B), and every figure is
-the median over rounds. The peers do not tokenize; kvroute does.
+the median over rounds. The peers do not tokenize; kvroute does. The fakes
+are ``loadtest.instant_workers``.
 
 Workloads: ``chat_small`` (a ~209-token chat, 8 tokens out), ``stream_128``
 (the same chat streamed, 128 tokens, one SSE event per token),
@@ -37,140 +38,17 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import grpc
 import psutil
-from aiohttp import web
 
-from contract import worker_pb2 as pb
-from contract import worker_pb2_grpc
-from contract.hashing import HashSpec
-from contract.redis_layout import WorkerRecord
 from loadtest.bench_peers import PeersConfig, ensure_peer_venv
-from loadtest.bench_scale import _FakeEngine, _free_port, _Redis
+from loadtest.fleet import free_port
+from loadtest.instant_workers import MODEL
+from loadtest.scale_redis import PrivateRedis
 from loadtest.words import WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTERS = ("kvroute", "sglang_rr", "sglang_cache_aware", "vllm_rr", "vllm_cache_aware")
 WORKLOADS = ("chat_small", "stream_128", "chat_6k_repeat", "chat_6k_cold")
-MODEL = "bench"
-
-
-# -- fake instant workers ------------------------------------------------------------
-
-
-class _InstantGrpc(worker_pb2_grpc.WorkerServicer):
-    """kvroute's worker contract with no engine: ``max_tokens`` tokens, one message each."""
-
-    def __init__(self, worker_id: str) -> None:
-        self.worker_id = worker_id
-
-    async def Generate(self, request: Any, context: Any) -> Any:
-        n = max(1, request.sampling.max_tokens)
-        for i in range(n - 1):
-            yield pb.GenerateResponse(token_ids=[1000 + i % 500], worker_id=self.worker_id)
-        yield pb.GenerateResponse(
-            token_ids=[1000],
-            finished=True,
-            finish_reason="length",
-            usage=pb.Usage(
-                prompt_tokens=len(request.prompt_token_ids), completion_tokens=n, cached_tokens=0
-            ),
-            worker_id=self.worker_id,
-        )
-
-    async def Health(self, request: Any, context: Any) -> Any:
-        return pb.HealthResponse(serving=True)
-
-
-def _openai_app() -> web.Application:
-    """The OpenAI HTTP shape the peers forward to, answered at once."""
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 8)
-        created = int(time.time())
-        if not body.get("stream"):
-            return web.json_response(
-                {
-                    "id": "x",
-                    "object": "chat.completion",
-                    "created": created,
-                    "model": MODEL,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": " a" * n},
-                            "finish_reason": "length",
-                        }
-                    ],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
-                }
-            )
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for _ in range(n):
-            chunk = {
-                "id": "x",
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": MODEL,
-                "choices": [{"index": 0, "delta": {"content": " a"}, "finish_reason": None}],
-            }
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-    async def ok(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "model_path": MODEL, "is_generation": True})
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/v1/models", models)
-    for path in ("/health", "/health_generate", "/get_server_info", "/get_model_info"):
-        app.router.add_get(path, ok)
-    return app
-
-
-async def _serve_fakes(workers: int, redis_url: str, namespace: str, ready: Path) -> None:
-    """Runs ``workers`` gRPC fakes (registered) and as many HTTP fakes until killed."""
-    from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
-
-    spec = HashSpec(block_size=16, model=MODEL)
-    urls, pubs = [], []
-    for i in range(workers):
-        server = grpc.aio.server()
-        worker_pb2_grpc.add_WorkerServicer_to_server(_InstantGrpc(f"fake-{i}"), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        record = WorkerRecord(
-            worker_id=f"fake-{i}",
-            address=f"127.0.0.1:{port}",
-            model=MODEL,
-            hash_spec=spec.describe(),
-            block_size=16,
-            max_model_len=32768,
-            prefill_tokens_per_s=10_000.0,
-        )
-        pub = Publisher(
-            _FakeEngine(set()),
-            EventQueue(),
-            PublisherConfig(redis_url, f"fake-{i}", namespace, heartbeat_ttl=30.0),
-            record,
-        )
-        await pub.start()
-        pubs.append((server, pub))
-        runner = web.AppRunner(_openai_app(), access_log=None)
-        await runner.setup()
-        http_port = _free_port()
-        await web.TCPSite(runner, "127.0.0.1", http_port).start()
-        urls.append(f"http://127.0.0.1:{http_port}")
-    while not all(p.synced for _, p in pubs):
-        await asyncio.sleep(0.05)
-    ready.write_text(json.dumps(urls))
-    await asyncio.Event().wait()
 
 
 # -- workloads -----------------------------------------------------------------------
@@ -310,7 +188,7 @@ def _router_cmd(name: str, port: int, redis_url: str, ns: str, urls: list[str]) 
     bin_dir = ensure_peer_venv(PeersConfig())
     policy = "round_robin" if name.endswith("_rr") else "cache_aware"
     # Every router runs at once (rounds interleave), so each gets its own metrics port.
-    metrics = ("--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()))
+    metrics = ("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()))
     if name.startswith("sglang"):
         return [
             *(str(bin_dir / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port)),
@@ -340,7 +218,7 @@ def measure(router: Router, workload: str, bodies: list[bytes], seconds: float) 
 
 
 def run(routers: list[str], workloads: list[str], rounds: int, seconds: float, workers: int) -> Any:
-    redis = _Redis()
+    redis = PrivateRedis()
     tmp = Path(tempfile.mkdtemp(prefix="kvroute-overhead-"))
     ns = "overhead"
     ready = tmp / "ready.json"
@@ -349,8 +227,8 @@ def run(routers: list[str], workloads: list[str], rounds: int, seconds: float, w
             sys.executable,
             "-c",
             "import asyncio; from pathlib import Path; "
-            "from loadtest.bench_overhead import _serve_fakes; "
-            f"asyncio.run(_serve_fakes({workers}, {redis.url!r}, {ns!r}, Path({str(ready)!r})))",
+            "from loadtest.instant_workers import serve_instant_workers; "
+            f"asyncio.run(serve_instant_workers({workers}, {redis.url!r}, {ns!r}, Path({str(ready)!r})))",
         ],
         cwd=ROOT,
     )
@@ -368,7 +246,7 @@ def run(routers: list[str], workloads: list[str], rounds: int, seconds: float, w
         direct = {w: _direct_p50(urls[0], bodies[w]) for w in workloads}
         for name in routers:
             try:
-                port = _free_port()
+                port = free_port()
                 cmd = _router_cmd(name, port, redis.url, ns, urls)
                 router = Router(name, cmd, port, tmp / f"{name}.log")
                 router.wait_ready(bodies[workloads[0]][0])

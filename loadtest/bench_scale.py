@@ -27,7 +27,7 @@ entry; CPU of one registry poll with 1,000 registered workers.
 
 1000 x 100k is measured with ``--fleets 1000x100000`` where memory allows; by
 default ``rss_gb_1000x100k`` is extrapolated from the largest fleet measured
-and says so.
+and says so. The Redis half is ``loadtest.scale_redis``.
 """
 
 from __future__ import annotations
@@ -40,25 +40,17 @@ import gc
 import json
 import os
 import random
-import shutil
-import socket
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
-import redis
-import redis.asyncio as aioredis
 
-from contract.redis_layout import RedisLayout, WorkerRecord
 from gateway.routing.index import BlockIndex
-from gateway.routing.mirror import IndexMirror, WorkerEntry
 from gateway.routing.router import Router, RouterConfig, RouteRequest, WorkerState
+from loadtest.scale_redis import bench_redis
 
 BLOCK_SIZE = 16
 PROMPTS = 64
@@ -236,193 +228,19 @@ def bench_prune(entries: int) -> tuple[float, float]:
     return sum(slices), max(slices)
 
 
-# -- against a real Redis ----------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class _Redis:
-    """A private redis-server for the benchmark."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server not found: apt-get install redis-server")
-        self.dir = tempfile.mkdtemp(prefix="kvroute-bench-scale-")
-        self.port = _free_port()
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--dir",
-                self.dir,
-            ],
-            stdout=subprocess.DEVNULL,
-        )
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis.from_url(self.url).ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class _FakeEngine:
-    def __init__(self, hashes: set[int]) -> None:
-        self.hashes = hashes
-
-    def stats(self) -> Any:
-        class S:
-            num_blocks = max(1, len(self.hashes))
-            running = waiting = queued_prefill_tokens = free_blocks = 0
-            prefill_tokens_per_s = decode_tokens_per_s = 0.0
-
-        return S()
-
-    def resident_block_hashes(self) -> set[int]:
-        return set(self.hashes)
-
-
-async def _loop_probe(stalls: list[tuple[float, float]], stop: asyncio.Event) -> None:
-    """(CPU ms, wall ms) between wake-ups: the CPU is what other tasks held the loop for."""
-    last, last_cpu = time.perf_counter(), time.thread_time()
-    while not stop.is_set():
-        await asyncio.sleep(0.001)
-        now, cpu = time.perf_counter(), time.thread_time()
-        stalls.append(((cpu - last_cpu) * 1e3, (now - last) * 1e3))
-        last, last_cpu = now, cpu
-
-
-async def bench_redis(blocks: int, registry_workers: int) -> dict[str, Any]:
-    """Publisher -> Redis -> mirror for one big worker; registry poll at fleet size."""
-    from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
-
-    server = _Redis()
-    try:
-        layout = RedisLayout("bench")
-        hashes = set(_hashes(blocks).tolist())
-        engine = _FakeEngine(hashes)
-        record = WorkerRecord(worker_id="big", address="127.0.0.1:1", block_size=BLOCK_SIZE)
-        pub = Publisher(
-            engine, EventQueue(), PublisherConfig(server.url, "big", namespace="bench"), record
-        )
-        await pub.start()
-        client = aioredis.Redis.from_url(server.url)
-        deadline = time.monotonic() + 60
-        while pub.syncs == 0:
-            if time.monotonic() > deadline:
-                raise RuntimeError("publisher never synced")
-            await asyncio.sleep(0.05)
-        sync = redis.Redis.from_url(server.url)
-        blocks_bytes = int(sync.memory_usage(layout.blocks("big"), samples=0) or 0)
-        # Stream entries: a step's worth of events, as the engine sends them.
-        before = int(sync.memory_usage(layout.events("big"), samples=0) or 0)
-        extra = _hashes(2000).tolist()
-        for i in range(0, 2000, 8):
-            pub.queue.put([_stored(extra[i : i + 8])])
-            await asyncio.sleep(0.002)
-        await asyncio.sleep(0.5)
-        n_entries = int(sync.xlen(layout.events("big")))
-        after = int(sync.memory_usage(layout.events("big"), samples=0) or 0)
-        stream_bytes = (after - before) / max(1, n_entries - 1)
-
-        index = BlockIndex()
-        mirror = IndexMirror(server.url, layout, index)
-        await mirror.sync_registry(client)
-        await mirror.load_pending(client)
-        assert index.block_count("big") >= blocks, index.block_count("big")
-        # A full reload of the 100k worker while the loop is probed.
-        load_ms = []
-        stall_max = stall_wall = 0.0
-        for _ in range(3):
-            stalls: list[tuple[float, float]] = []
-            stop = asyncio.Event()
-            probe = asyncio.create_task(_loop_probe(stalls, stop))
-            await asyncio.sleep(0.01)
-            t0 = time.perf_counter()
-            await mirror.load_worker(client, "big")
-            load_ms.append((time.perf_counter() - t0) * 1e3)
-            stop.set()
-            await probe
-            stall_max = max(stall_max, max(c for c, _ in stalls))
-            stall_wall = max(stall_wall, max(w for _, w in stalls))
-        await pub.stop()
-
-        # Registry poll at fleet size: records as workers write them (all live).
-        for i in range(registry_workers):
-            rec = WorkerRecord(
-                worker_id=f"r{i}",
-                address=f"127.0.0.1:{20000 + i}",
-                block_size=BLOCK_SIZE,
-                hash_spec={"version": "x"},
-                epoch="e",
-                running=i % 5,
-                updated_at=time.time(),
-            )
-            sync.hset(layout.worker(rec.worker_id), mapping=rec.to_mapping())
-            sync.sadd(layout.workers, rec.worker_id)
-        mirror2 = IndexMirror(server.url, layout, BlockIndex())
-        for wid in [f"r{i}" for i in range(registry_workers)]:
-            rec = WorkerRecord(worker_id=wid, address="x", epoch="e")
-            mirror2.workers[wid] = WorkerEntry(record=rec, spec=None, loaded=True)
-        await mirror2.sync_registry(client)  # first pass
-        await mirror2.load_pending(client)
-        polls = []
-        for _ in range(5):
-            # The worst case: every worker heartbeated since the last poll.
-            pipe = sync.pipeline(transaction=False)
-            for i in range(registry_workers):
-                pipe.hset(layout.worker(f"r{i}"), "updated_at", str(time.time()))
-            pipe.execute()
-            t0 = time.process_time()
-            await mirror2.sync_registry(client)
-            polls.append((time.process_time() - t0) * 1e3)
-        await client.aclose()
-        return {
-            "blocks": blocks,
-            "redis_bytes_per_block": round(blocks_bytes / blocks, 1),
-            "redis_stream_bytes_per_entry": round(stream_bytes, 1),
-            "stream_entry_blocks": 8,
-            "load_worker_ms": round(statistics.median(load_ms), 1),
-            "max_loop_stall_ms": round(stall_max, 1),
-            "max_loop_stall_wall_ms": round(stall_wall, 1),
-            "registry_workers": registry_workers,
-            "registry_poll_cpu_ms": round(statistics.median(polls), 1),
-        }
-    finally:
-        server.close()
-
-
-def _stored(hashes: list[int]) -> Any:
-    from contract.events import BlockStored
-
-    return BlockStored(tuple(hashes))
-
-
 def run(fleets: list[tuple[int, int]], lookups: int, others: int, quick: bool) -> dict[str, Any]:
     results = [bench_fleet(w, b, lookups, others) for w, b in fleets]
     prune_entries = 100_000 if quick else 1_000_000
     prune_total, prune_slice = bench_prune(prune_entries)
     prune_ms = prune_total * (1_000_000 / prune_entries)
-    redis_part = asyncio.run(bench_redis(20_000 if quick else 100_000, 100 if quick else 1000))
+    redis_part = asyncio.run(
+        bench_redis(
+            20_000 if quick else 100_000,
+            100 if quick else 1000,
+            random_hashes=_hashes,
+            block_size=BLOCK_SIZE,
+        )
+    )
     worst = max(results, key=lambda r: r["index_bytes_per_entry_rss"])
     big = [r for r in results if r["workers"] == 1000]
     full = [r for r in results if r["workers"] == 1000 and r["blocks_per_worker"] == 100_000]

@@ -1,0 +1,143 @@
+"""Instant fake workers for ``bench_overhead``: no inference, the tokens come back at once.
+
+``serve_instant_workers`` runs (in its own process, until killed) N gRPC
+fakes speaking kvroute's worker contract, each registered in Redis by the
+real ``Publisher``, and N OpenAI HTTP fakes for the peer routers; it writes
+the HTTP URLs to a file once every publisher has synced. What a router in
+front of them costs is then all that is measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from contract import worker_pb2 as pb
+from contract import worker_pb2_grpc
+from contract.hashing import HashSpec
+from contract.redis_layout import WorkerRecord
+from loadtest.fleet import free_port
+from loadtest.scale_redis import FakeEngine
+
+MODEL = "bench"
+
+
+class _InstantGrpc(worker_pb2_grpc.WorkerServicer):
+    """kvroute's worker contract with no engine: ``max_tokens`` tokens, one message each."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+
+    async def Generate(self, request: Any, context: Any) -> Any:
+        n = max(1, request.sampling.max_tokens)
+        for i in range(n - 1):
+            yield pb.GenerateResponse(token_ids=[1000 + i % 500], worker_id=self.worker_id)
+        yield pb.GenerateResponse(
+            token_ids=[1000],
+            finished=True,
+            finish_reason="length",
+            usage=pb.Usage(
+                prompt_tokens=len(request.prompt_token_ids), completion_tokens=n, cached_tokens=0
+            ),
+            worker_id=self.worker_id,
+        )
+
+    async def Health(self, request: Any, context: Any) -> Any:
+        return pb.HealthResponse(serving=True)
+
+
+def _openai_app() -> web.Application:
+    """The OpenAI HTTP shape the peers forward to, answered at once."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 8)
+        created = int(time.time())
+        if not body.get("stream"):
+            return web.json_response(
+                {
+                    "id": "x",
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": MODEL,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": " a" * n},
+                            "finish_reason": "length",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
+                }
+            )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(n):
+            chunk = {
+                "id": "x",
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": MODEL,
+                "choices": [{"index": 0, "delta": {"content": " a"}, "finish_reason": None}],
+            }
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "model_path": MODEL, "is_generation": True})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    for path in ("/health", "/health_generate", "/get_server_info", "/get_model_info"):
+        app.router.add_get(path, ok)
+    return app
+
+
+async def serve_instant_workers(workers: int, redis_url: str, namespace: str, ready: Path) -> None:
+    """Runs ``workers`` gRPC fakes (registered) and as many HTTP fakes until killed."""
+    from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
+
+    spec = HashSpec(block_size=16, model=MODEL)
+    urls, pubs = [], []
+    for i in range(workers):
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(_InstantGrpc(f"fake-{i}"), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        record = WorkerRecord(
+            worker_id=f"fake-{i}",
+            address=f"127.0.0.1:{port}",
+            model=MODEL,
+            hash_spec=spec.describe(),
+            block_size=16,
+            max_model_len=32768,
+            prefill_tokens_per_s=10_000.0,
+        )
+        pub = Publisher(
+            FakeEngine(set()),
+            EventQueue(),
+            PublisherConfig(redis_url, f"fake-{i}", namespace, heartbeat_ttl=30.0),
+            record,
+        )
+        await pub.start()
+        pubs.append((server, pub))
+        runner = web.AppRunner(_openai_app(), access_log=None)
+        await runner.setup()
+        http_port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", http_port).start()
+        urls.append(f"http://127.0.0.1:{http_port}")
+    while not all(p.synced for _, p in pubs):
+        await asyncio.sleep(0.05)
+    ready.write_text(json.dumps(urls))
+    await asyncio.Event().wait()
