@@ -245,11 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import sys
 
-    from loadtest.workloads import (
-        load_trace,
-        synthetic_workload,
-        trace_conversations,
-    )
+    from loadtest.mooncake_trace import load_trace, trace_conversations
+    from loadtest.workloads import synthetic_workload
 
     p = argparse.ArgumentParser(
         prog="python -m loadtest.client",

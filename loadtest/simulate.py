@@ -34,14 +34,8 @@ from loadtest.fleetsim import (
     SimConfig,
     ideal_hit_rate,
 )
-from loadtest.workloads import (
-    RequestShape,
-    TraceChains,
-    TraceTokens,
-    conversation_shapes,
-    load_trace,
-    synthetic_workload,
-)
+from loadtest.mooncake_trace import TraceChains, TraceTokens, load_trace
+from loadtest.workloads import RequestShape, conversation_shapes, synthetic_workload
 
 log = logging.getLogger(__name__)
 

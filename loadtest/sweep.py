@@ -38,14 +38,12 @@ from typing import Any
 
 from contract.hashing import HashSpec
 from loadtest.fleetsim import SIM_POLICIES, SimConfig
+from loadtest.mooncake_trace import TraceChains, TraceTokens, load_trace
 from loadtest.simulate import router_options, run_policy
 from loadtest.workloads import (
     Conversation,
     RequestShape,
-    TraceChains,
-    TraceTokens,
     conversation_shapes,
-    load_trace,
     synthetic_workload,
 )
 

@@ -12,8 +12,9 @@ import pytest
 from contract.hashing import HashSpec
 from loadtest.baselines import Chwbl, SglangLike
 from loadtest.fleetsim import FleetSimulation, SimConfig, ideal_hit_rate
+from loadtest.mooncake_trace import TraceChains, load_trace
 from loadtest.simulate import router_options, run_policy
-from loadtest.workloads import RequestShape, TraceChains, load_trace
+from loadtest.workloads import RequestShape
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake_head500.jsonl"

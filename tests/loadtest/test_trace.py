@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from contract.hashing import HashSpec, block_hashes
-from loadtest.workloads import TraceChains, TraceRecord, TraceTokens, load_trace
+from loadtest.mooncake_trace import TraceChains, TraceRecord, TraceTokens, load_trace
 
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake_head500.jsonl"
 
