@@ -18,7 +18,8 @@ vLLM CPU server instead, both engines as HTTP servers, interleaved over
 ``--rounds`` rounds (see ``loadtest.bench_engine_vllm``); the JSON then also
 has ``vllm_*`` figures, the kvroute / vLLM ratios and ``target_met``
 (throughput >= vLLM's and cold TTFT <= vLLM's), and (c) compares kvroute's
-texts of round 0 with HF's decoded greedy tokens.
+texts of round 0 with HF's decoded greedy tokens. The HF side is
+``loadtest.hf_reference``.
 
 Usage: ``python -m loadtest.bench_engine [--model smollm2] [--prompt-tokens 2048]
 [--shared-tokens 1984] [--new-tokens 256] [--concurrency 8] [--dtype float32]
@@ -36,6 +37,8 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from loadtest.hf_reference import hf_reference, run_hf_part
 
 logger = logging.getLogger(__name__)
 
@@ -107,22 +110,6 @@ async def run_request(engine: Any, request_id: str, prompt: list[int], max_token
     return {"tokens": tokens, "ttft_s": ttft, "cached_tokens": cached}
 
 
-def hf_greedy(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
-    """HF ``generate`` greedy, never stopping early (the engine runs with ignore_eos)."""
-    import torch
-
-    config = model.generation_config.__class__.from_dict(model.generation_config.to_dict())
-    # An empty EOS list: generation runs to max_new_tokens without suppressing
-    # any token (None would fall back to the model's EOS and stop early).
-    config.eos_token_id = []
-    config.pad_token_id = 0
-    config.max_new_tokens = new_tokens
-    config.do_sample = False
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt], device=model.device), generation_config=config)
-    return out[0, len(prompt) :].tolist()
-
-
 async def bench_ttft(engine: Any, cfg: BenchConfig, vocab: int) -> dict:
     cold_prompt = random_prompt(vocab, cfg.prompt_tokens, cfg.seed + 1)
     hit_prompt = random_prompt(vocab, cfg.prompt_tokens, cfg.seed + 2)
@@ -186,32 +173,6 @@ async def run_engine_part(cfg: BenchConfig) -> tuple[dict, dict, dict]:
     info = {"model_name": runner.model_name, "num_blocks": num_blocks, "vocab": runner.vocab_size}
     info["engine_cached_prompt_tokens_total"] = stats.cached_prompt_tokens_total
     return ttft, tput, info
-
-
-def run_hf_part(cfg: BenchConfig, ttft: dict, tput: dict) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from worker.model.store import resolve_model
-
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model), dtype=dtype[cfg.dtype])
-    model.to(cfg.device).eval()
-    hf_greedy(model, tput["prompts"][0][:8], 4)  # warm-up
-    started = time.perf_counter()
-    outputs = [hf_greedy(model, p, cfg.new_tokens) for p in tput["prompts"]]
-    elapsed = time.perf_counter() - started
-    first_tokens = [hf_greedy(model, ttft[k], 1)[0] for k in ("cold_prompt", "hit_prompt")]
-    return {"outputs": outputs, "elapsed_s": elapsed, "first_tokens": first_tokens}
-
-
-def hf_reference(cfg: BenchConfig, prompts: list[list[int]], ttft_prompts: list[list[int]]) -> dict:
-    """HF greedy outputs (and their timing) for the throughput and TTFT prompts."""
-    return run_hf_part(
-        cfg,
-        {"cold_prompt": ttft_prompts[0], "hit_prompt": ttft_prompts[1]},
-        {"prompts": prompts},
-    )
 
 
 def run_against_vllm(cfg: BenchConfig) -> dict:
