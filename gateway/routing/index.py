@@ -11,7 +11,7 @@ Sized for fleets of 1,000 workers x 100k blocks (10^8 entries):
   one ordinal (most blocks live on one worker) or, when shared, a Python int
   used as a bitset of ordinals. Hashes live in open-addressing tables of
   flat numpy arrays (key u64, holder i32, last-use tick u32), split into
-  ``_SHARDS`` shards by the hash's low bits so growing one shard never
+  ``hash_table.SHARDS`` shards by the hash's low bits so growing one shard never
   stalls the loop for long. About 25-30 bytes per (worker, block) entry,
   against ~350 for Python dicts of sets.
 - A lookup walks the request's chain, intersecting holder bitsets, and stops
@@ -37,14 +37,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_SHARD_BITS = 10
-_SHARDS = 1 << _SHARD_BITS
-_SHARD_MASK = _SHARDS - 1
-_EMPTY = -1  # holder value of a never-used slot (ends a probe)
-_TOMB = -2  # holder value of a deleted slot (a probe walks past it)
-_SHARED = -3  # holders are in the shard's ``shared`` dict as a bitset
-_MAX_LOAD = 0.7  # used slots (live + tombstones) per slot before a rebuild
-_MIN_CAP = 64  # 1024 shards x 64 slots x 16 B: 1 MB before the first entry
+from gateway.routing.hash_table import (
+    EMPTY,
+    MAX_LOAD,
+    MIN_CAP,
+    SHARD_BITS,
+    SHARD_MASK,
+    SHARDS,
+    SHARED,
+    TOMB,
+    Shard,
+)
 
 
 @dataclass(frozen=True)
@@ -83,94 +86,6 @@ class StagedSet:
             self.index._abort(self)
 
 
-class _Shard:
-    """One open-addressing table: key, holder and (with a memory bound) last-use tick per slot."""
-
-    __slots__ = ("cap", "keys", "live", "mask", "shared", "ticks", "used", "vals")
-
-    def __init__(self, ticks: bool, cap: int = _MIN_CAP) -> None:
-        self.cap = cap
-        self.mask = cap - 1
-        self.keys = np.zeros(cap, dtype=np.uint64).data
-        self.vals = np.full(cap, _EMPTY, dtype=np.int32).data
-        # Ticks only matter to eviction: an unbounded index saves 4 bytes a slot.
-        self.ticks = np.zeros(cap, dtype=np.uint32).data if ticks else None
-        self.used = 0  # slots not _EMPTY
-        self.live = 0  # slots holding a key (not _EMPTY, not _TOMB)
-        self.shared: dict[int, int] = {}
-
-    def find(self, h: int) -> int:
-        """Slot of ``h``, or -1."""
-        keys, vals, mask = self.keys, self.vals, self.mask
-        i = (h >> _SHARD_BITS) & mask
-        while True:
-            v = vals[i]
-            if v == _EMPTY:
-                return -1
-            if v != _TOMB and keys[i] == h:
-                return i
-            i = (i + 1) & mask
-
-    def find_or_slot(self, h: int) -> tuple[int, bool]:
-        """(slot, found): the slot of ``h``, or where to insert it."""
-        keys, vals, mask = self.keys, self.vals, self.mask
-        i = (h >> _SHARD_BITS) & mask
-        free = -1
-        while True:
-            v = vals[i]
-            if v == _EMPTY:
-                return (i if free < 0 else free), False
-            if v == _TOMB:
-                if free < 0:
-                    free = i
-            elif keys[i] == h:
-                return i, True
-            i = (i + 1) & mask
-
-    def rebuild(self, dead: np.ndarray | None) -> None:
-        """Re-hashes live slots into a table sized for them (dead ordinals dropped)."""
-        keys = np.asarray(self.keys)
-        vals = np.asarray(self.vals)
-        keep = (vals >= 0) | (vals == _SHARED)
-        if dead is not None and dead.size:
-            keep &= ~np.isin(vals, dead)
-        k, v = keys[keep], vals[keep]
-        t = np.asarray(self.ticks)[keep] if self.ticks is not None else None
-        cap = _MIN_CAP
-        # Small shards grow 4x at a time: a numpy rebuild has a fixed cost.
-        need = len(k) * (3 if len(k) < 1024 else 1)
-        while cap * 0.4 < need:
-            cap *= 2
-        new_keys = np.zeros(cap, dtype=np.uint64)
-        new_vals = np.full(cap, _EMPTY, dtype=np.int32)
-        new_ticks = np.zeros(cap, dtype=np.uint32) if t is not None else None
-        mask = np.uint64(cap - 1)
-        pos = ((k >> np.uint64(_SHARD_BITS)) & mask).astype(np.int64)
-        pending = np.arange(len(k))
-        while pending.size:
-            p = pos[pending]
-            free = new_vals[p] == _EMPTY
-            cand, cp = pending[free], p[free]
-            _, first = np.unique(cp, return_index=True)
-            win = cand[first]
-            new_keys[pos[win]] = k[win]
-            new_vals[pos[win]] = v[win]
-            if new_ticks is not None and t is not None:
-                new_ticks[pos[win]] = t[win]
-            lost = np.ones(len(pending), dtype=bool)
-            lost[np.flatnonzero(free)[first]] = False
-            pending = pending[lost]
-            pos[pending] = (pos[pending] + 1) & (cap - 1)
-        self.cap, self.mask = cap, cap - 1
-        self.keys = new_keys.data
-        self.vals = new_vals.data
-        self.ticks = new_ticks.data if new_ticks is not None else None
-        self.used = self.live = len(k)
-
-    def nbytes(self) -> int:
-        return self.cap * (16 if self.ticks is not None else 12)
-
-
 class BlockIndex:
     """Block hashes per worker, real and speculative."""
 
@@ -178,7 +93,7 @@ class BlockIndex:
         if max_entries < 0:
             raise ValueError("--index-max-entries must be >= 0 (0 = unbounded)")
         self.max_entries = max_entries
-        self._shards = [_Shard(ticks=max_entries > 0) for _ in range(_SHARDS)]
+        self._shards = [Shard(ticks=max_entries > 0) for _ in range(SHARDS)]
         self._ord: dict[str, int] = {}  # worker -> its current ordinal
         self._names: list[str | None] = []  # ordinal -> worker (None: dead or free)
         self._counts: list[int] = []  # ordinal -> live real entries
@@ -239,7 +154,7 @@ class BlockIndex:
         names, shards = self._names, self._shards
         added = 0
         for h in hashes:
-            shard = shards[h & _SHARD_MASK]
+            shard = shards[h & SHARD_MASK]
             i, found = shard.find_or_slot(h)
             if found:
                 v = shard.vals[i]
@@ -250,7 +165,7 @@ class BlockIndex:
                         shard.vals[i] = o  # the old holder is a dead generation
                     else:
                         shard.shared[h] = (1 << v) | bit
-                        shard.vals[i] = _SHARED
+                        shard.vals[i] = SHARED
                 else:
                     bits = shard.shared[h]
                     if bits & bit:
@@ -258,7 +173,7 @@ class BlockIndex:
                     shard.shared[h] = bits | bit
                 added += 1
                 continue
-            if shard.vals[i] == _EMPTY:
+            if shard.vals[i] == EMPTY:
                 shard.used += 1
             shard.keys[i] = h
             shard.vals[i] = o
@@ -266,7 +181,7 @@ class BlockIndex:
                 shard.ticks[i] = tick
             shard.live += 1
             added += 1
-            if shard.used > shard.cap * _MAX_LOAD:
+            if shard.used > shard.cap * MAX_LOAD:
                 shard.rebuild(self._dead_array())
             if self.max_entries and self._entries + added > self.max_entries:
                 self._counts[o] += added
@@ -284,16 +199,16 @@ class BlockIndex:
         bit = 1 << o
         gone = 0
         for h in hashes:
-            shard = self._shards[h & _SHARD_MASK]
+            shard = self._shards[h & SHARD_MASK]
             i = shard.find(h)
             if i < 0:
                 continue
             v = shard.vals[i]
             if v == o:
-                shard.vals[i] = _TOMB
+                shard.vals[i] = TOMB
                 shard.live -= 1
                 gone += 1
-            elif v == _SHARED:
+            elif v == SHARED:
                 bits = shard.shared[h]
                 if not bits & bit:
                     continue
@@ -302,7 +217,7 @@ class BlockIndex:
         self._counts[o] -= gone
         self._entries -= gone
 
-    def _set_bits(self, shard: _Shard, i: int, h: int, bits: int) -> None:
+    def _set_bits(self, shard: Shard, i: int, h: int, bits: int) -> None:
         """Stores a shared slot's new holders, demoting it to one ordinal or none."""
         bits &= self._live_mask() | self._staging_bits
         if bits & (bits - 1):
@@ -312,7 +227,7 @@ class BlockIndex:
         if bits:
             shard.vals[i] = bits.bit_length() - 1
         else:
-            shard.vals[i] = _TOMB
+            shard.vals[i] = TOMB
             shard.live -= 1
 
     def clear(self, worker_id: str) -> None:
@@ -428,15 +343,15 @@ class BlockIndex:
         alive = -1
         for n, h in enumerate(hashes):
             # 1. real holders of block n (a probe of one shard)
-            shard = shards[h & _SHARD_MASK]
+            shard = shards[h & SHARD_MASK]
             keys, vals, mask = shard.keys, shard.vals, shard.mask
-            i = (h >> _SHARD_BITS) & mask
+            i = (h >> SHARD_BITS) & mask
             bits = 0
             while True:
                 v = vals[i]
-                if v == _EMPTY:
+                if v == EMPTY:
                     break
-                if v != _TOMB and keys[i] == h:
+                if v != TOMB and keys[i] == h:
                     bits = (1 << v) if v >= 0 else shard.shared[h]
                     if shard.ticks is not None:
                         shard.ticks[i] = tick
@@ -481,12 +396,12 @@ class BlockIndex:
         o = self._ord.get(worker_id)
         if o is None:
             return False
-        shard = self._shards[block_hash & _SHARD_MASK]
+        shard = self._shards[block_hash & SHARD_MASK]
         i = shard.find(block_hash)
         if i < 0:
             return False
         v = shard.vals[i]
-        return v == o or (v == _SHARED and bool(shard.shared[block_hash] >> o & 1))
+        return v == o or (v == SHARED and bool(shard.shared[block_hash] >> o & 1))
 
     def workers(self) -> list[str]:
         return sorted(self._known)
@@ -526,7 +441,7 @@ class BlockIndex:
             self._sweeping = set(self._dead)
         dead = np.fromiter(self._sweeping, dtype=np.int32, count=len(self._sweeping))
         dead_bits = sum(1 << o for o in self._sweeping)
-        stop = min(_SHARDS, self._sweep_at + max_shards)
+        stop = min(SHARDS, self._sweep_at + max_shards)
         deadline = time.perf_counter() + budget_s
         for s in range(self._sweep_at, stop):
             if s > self._sweep_at and time.perf_counter() > deadline:
@@ -537,15 +452,15 @@ class BlockIndex:
             hit = np.isin(vals, dead)
             n = int(hit.sum())
             if n:
-                vals[hit] = _TOMB
+                vals[hit] = TOMB
                 shard.live -= n
             for h, bits in list(shard.shared.items()):
                 if bits & dead_bits:
                     self._set_bits(shard, shard.find(h), h, bits & ~dead_bits)
-            if shard.used > 2 * shard.live + _MIN_CAP:
+            if shard.used > 2 * shard.live + MIN_CAP:
                 shard.rebuild(None)
         self._sweep_at = stop
-        if stop == _SHARDS:
+        if stop == SHARDS:
             self._sweep_at = 0
             self._dead -= self._sweeping
             self._free.extend(self._sweeping)
@@ -560,13 +475,13 @@ class BlockIndex:
     def _live_mask(self) -> int:
         return self._live_bits
 
-    def _evict(self, shard: _Shard) -> None:
+    def _evict(self, shard: Shard) -> None:
         """Drops the least recently looked-up eighth of ``shard``'s entries."""
         vals = np.asarray(shard.vals)
         if shard.ticks is None:
             return
         ticks = np.asarray(shard.ticks)
-        slots = np.flatnonzero((vals >= 0) | (vals == _SHARED))
+        slots = np.flatnonzero((vals >= 0) | (vals == SHARED))
         if not slots.size:
             return
         n = max(1, slots.size // 8)
@@ -591,7 +506,7 @@ class BlockIndex:
                         self._counts[o] -= 1
                         gone += 1
                     bits ^= low
-            vals[i] = _TOMB
+            vals[i] = TOMB
         shard.live -= len(victims)
         self._entries -= gone
         self._evictions += gone
