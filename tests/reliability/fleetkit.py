@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from loadtest.fleet import Fleet
+from tests.support import wait_until
 
 _BLOCKS = re.compile(r'^kvroute_worker_blocks\{[^}]*state="(\w+)"[^}]*\}\s+(\S+)$', re.M)
 _BLOCK_GAUGES = {
@@ -129,14 +129,8 @@ def all_blocks_free(fleet: Fleet) -> bool:
 
 
 def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout}s")
-        time.sleep(interval)
+    """``tests.support.wait_until`` with the timeout and what-for always given, in that order."""
+    return wait_until(predicate, timeout=timeout, interval=interval, what=what)
 
 
 @dataclass
