@@ -217,7 +217,9 @@ def _flag_bool(flag: str, raw: str) -> bool:
 async def serve(config: GatewayConfig) -> None:
     """Runs the gateway until SIGINT/SIGTERM."""
     from gateway.edge.app import create_app
+    from gateway.edge.server_log import redact_parser_errors
 
+    redact_parser_errors()  # aiohttp would log an over-long header's first 100 bytes
     app = create_app(config)
     # Cancelling a handler when its client disconnects aborts the worker request too.
     # keepalive_timeout runs from the connection's start (and from each response): a

@@ -10,6 +10,7 @@ the keys reach the gateway through ``--api-keys-file`` and both get the same
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from redis.retry import Retry
 from contract import worker_pb2, worker_pb2_grpc
 from contract.redis_layout import RedisLayout
 from loadtest.fleet import Fleet, FleetConfig
-from tests.reliability.fleetkit import call, is_openai_error
+from tests.reliability.fleetkit import call, is_openai_error, wait_for
 from tests.support import RedisProcess
 
 pytestmark = pytest.mark.slow
@@ -142,6 +143,44 @@ def test_tenants_never_share_cached_blocks(fleet: Fleet) -> None:
     assert cached(ALPHA) > 0  # within one tenant the prefix is reused
     assert cached(BETA) == 0  # same prompt, other tenant: nothing shared
     assert cached(BETA) > 0
+
+
+def _raw_request(fleet: Fleet, head: bytes) -> bytes:
+    """Sends ``head`` as a request's header block on a fresh connection; returns the reply."""
+    with socket.create_connection(("127.0.0.1", fleet.gateway_port), timeout=10) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gateway\r\n" + head + b"\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b"Authorization: Bearer %s" + b"x" * 9000, b"Authorization: Bearer %s\x01"],
+    ids=["over-long", "bad-byte"],
+)
+def test_a_refused_authorization_header_is_not_logged(
+    fleet: Fleet, logs: Path, header: bytes
+) -> None:
+    """aiohttp quotes the first 100 bytes of an over-long header (or the bytes around a bad
+    one) when its parser refuses a request; the gateway logs that it refused, not what."""
+    gateway_log = logs / "gateway.log"
+    before = gateway_log.read_text(errors="replace").count("refused an unparsable request")
+    reply = _raw_request(fleet, header.replace(b"%s", ALPHA.encode()))
+    assert reply.startswith(b"HTTP/1.") and b" 400 " in reply.split(b"\r\n", 1)[0], reply[:80]
+    text = wait_for(
+        lambda: (
+            (t := gateway_log.read_text(errors="replace")).count("refused an unparsable request")
+            > before
+            and t
+        ),
+        5,
+        "the gateway logged the refused request",
+    )
+    assert ALPHA not in text and ALPHA[:12] not in text
+    assert "Traceback" not in text.split("refused an unparsable request")[-1][:2000]
+    assert call(fleet.gateway_url + "/health").status == 200  # and it serves on
 
 
 def test_no_secret_in_any_log(fleet: Fleet, logs: Path) -> None:
