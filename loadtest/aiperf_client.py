@@ -14,6 +14,8 @@ by ``time_scale`` (the emulated engine's slow-down) and compressed by
 prompt from its ``hash_ids`` (``--isl-block-size``), so requests sharing hash
 ids share token prefixes. ``run_aiperf`` returns TTFT p50/p95/p99 (seconds,
 divided back by ``time_scale``) and output tokens/s from aiperf's JSON export.
+``synthetic_command`` is the short closed-loop run of ``loadtest.clients_smoke``
+(synthetic prompts behind one shared system prompt, fixed concurrency).
 """
 
 from __future__ import annotations
@@ -142,6 +144,39 @@ def aiperf_command(
     return cmd
 
 
+def synthetic_command(
+    binary: Path,
+    *,
+    model: str,
+    tokenizer: str,
+    url: str,
+    requests: int,
+    concurrency: int,
+    prompt_tokens: int,
+    prefix_tokens: int,
+    output_tokens: int,
+    artifact_dir: Path,
+) -> list[str]:
+    """aiperf's own CLI: ``requests`` streamed chat requests at ``concurrency``, shared prefix."""
+    cmd = [str(binary), "profile", "--model", model, "--tokenizer", tokenizer, "--url", url]
+    cmd += ["--endpoint-type", "chat", "--streaming", "--request-count", str(requests)]
+    cmd += ["--concurrency", str(concurrency), "--synthetic-input-tokens-mean", str(prompt_tokens)]
+    cmd += ["--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(output_tokens)]
+    if prefix_tokens:
+        cmd += ["--shared-system-prompt-length", str(prefix_tokens)]
+    cmd += ["--extra-inputs", "ignore_eos:true", "--random-seed", "0"]
+    cmd += ["--output-artifact-dir", str(artifact_dir), "--ui-type", "none"]
+    return [*cmd, "--no-gpu-telemetry", "--no-server-metrics"]
+
+
+def aiperf_counts(data: dict[str, Any]) -> tuple[int, int]:
+    """(successful, errored) requests of aiperf's ``profile_export_aiperf.json``."""
+    count = (data.get("request_count") or {}).get("avg", 0)
+    summary = data.get("error_summary") or []
+    errors = sum(int(e.get("count", 0)) for e in summary if isinstance(e, dict))
+    return int(count), errors
+
+
 def run_aiperf(
     cmd: list[str], cache_root: Path, artifact_dir: Path, *, time_scale: float, timeout_s: float
 ) -> dict[str, Any]:
@@ -158,15 +193,14 @@ def run_aiperf(
         raise RuntimeError(f"aiperf exited with {proc.returncode}: {' | '.join(tail)}")
     data = json.loads(export.read_text())
     ttft = data["time_to_first_token"]
-    count = data.get("request_count", {}).get("avg", 0)
-    errors = data.get("error_summary") or []
+    count, errors = aiperf_counts(data)
     return {
         "ttft_p50_s": ttft["p50"] / 1000 / time_scale,
         "ttft_p95_s": ttft["p95"] / 1000 / time_scale,
         "ttft_p99_s": ttft["p99"] / 1000 / time_scale,
         "ttft_mean_s": ttft["avg"] / 1000 / time_scale,
         "tokens_per_s": data["output_token_throughput"]["avg"] * time_scale,
-        "requests": int(count),
-        "errors": sum(int(e.get("count", 0)) for e in errors if isinstance(e, dict)),
+        "requests": count,
+        "errors": errors,
         "client": "aiperf " + str(data.get("aiperf_version", AIPERF_VERSION)),
     }
