@@ -217,7 +217,7 @@ def _flag_bool(flag: str, raw: str) -> bool:
 async def serve(config: GatewayConfig) -> None:
     """Runs the gateway until SIGINT/SIGTERM."""
     from gateway.edge.app import create_app
-    from gateway.edge.server_log import redact_parser_errors
+    from openai_api.server_log import redact_parser_errors
 
     redact_parser_errors()  # aiohttp would log an over-long header's first 100 bytes
     app = create_app(config)

@@ -8,7 +8,7 @@ import logging
 import pytest
 from aiohttp import web
 
-from gateway.edge.server_log import SERVER_LOGGER, RedactParserErrors, redact_parser_errors
+from openai_api.server_log import SERVER_LOGGER, RedactParserErrors, redact_parser_errors
 
 SECRET = b"sk-secret-4f2a9b7c1d3e"
 

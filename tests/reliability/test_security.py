@@ -145,9 +145,9 @@ def test_tenants_never_share_cached_blocks(fleet: Fleet) -> None:
     assert cached(BETA) > 0
 
 
-def _raw_request(fleet: Fleet, head: bytes) -> bytes:
+def _raw_request(port: int, head: bytes) -> bytes:
     """Sends ``head`` as a request's header block on a fresh connection; returns the reply."""
-    with socket.create_connection(("127.0.0.1", fleet.gateway_port), timeout=10) as sock:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gateway\r\n" + head + b"\r\n\r\n")
         reply = b""
         while chunk := sock.recv(65536):
@@ -155,32 +155,37 @@ def _raw_request(fleet: Fleet, head: bytes) -> bytes:
     return reply
 
 
+@pytest.mark.parametrize("front", ["gateway", "worker-0"])
 @pytest.mark.parametrize(
     "header",
     [b"Authorization: Bearer %s" + b"x" * 9000, b"Authorization: Bearer %s\x01"],
     ids=["over-long", "bad-byte"],
 )
 def test_a_refused_authorization_header_is_not_logged(
-    fleet: Fleet, logs: Path, header: bytes
+    fleet: Fleet, logs: Path, header: bytes, front: str
 ) -> None:
     """aiohttp quotes the first 100 bytes of an over-long header (or the bytes around a bad
-    one) when its parser refuses a request; the gateway logs that it refused, not what."""
-    gateway_log = logs / "gateway.log"
-    before = gateway_log.read_text(errors="replace").count("refused an unparsable request")
-    reply = _raw_request(fleet, header.replace(b"%s", ALPHA.encode()))
+    one) when its parser refuses a request; the gateway and the worker's HTTP front log
+    that they refused, not what."""
+    if front == "gateway":
+        port, url = fleet.gateway_port, fleet.gateway_url
+    else:
+        port, url = fleet.workers[0].http_port, fleet.workers[0].http_url
+    log = logs / f"{front}.log"
+    before = log.read_text(errors="replace").count("refused an unparsable request")
+    reply = _raw_request(port, header.replace(b"%s", ALPHA.encode()))
     assert reply.startswith(b"HTTP/1.") and b" 400 " in reply.split(b"\r\n", 1)[0], reply[:80]
     text = wait_for(
         lambda: (
-            (t := gateway_log.read_text(errors="replace")).count("refused an unparsable request")
-            > before
+            (t := log.read_text(errors="replace")).count("refused an unparsable request") > before
             and t
         ),
         5,
-        "the gateway logged the refused request",
+        f"{front} logged the refused request",
     )
     assert ALPHA not in text and ALPHA[:12] not in text
     assert "Traceback" not in text.split("refused an unparsable request")[-1][:2000]
-    assert call(fleet.gateway_url + "/health").status == 200  # and it serves on
+    assert call(url + "/health").status == 200  # and it serves on
 
 
 def test_no_secret_in_any_log(fleet: Fleet, logs: Path) -> None:

@@ -254,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("kvroute worker: %s", exc)
         return 2
     logging.getLogger().setLevel(config.log_level)
+    from openai_api.server_log import redact_parser_errors
+
+    redact_parser_errors()  # as the gateway: no request bytes of a refused header in the log
     if config.engine == "emulated" and "torch" not in sys.modules:
         # An emulated worker needs only its tokenizer: keep transformers from
         # importing torch (~250 MB a process), so dozens of workers fit one host.
