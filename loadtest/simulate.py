@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -113,8 +114,24 @@ def build_shapes(args: argparse.Namespace) -> list[RequestShape]:
     """The workload the flags describe, as simulator shapes."""
     spec = HashSpec(block_size=args.block_size, model=args.model)
     if args.trace is not None:
-        records = load_trace(args.trace, limit=args.limit, time_scale=args.time_scale)
-        return list(TraceChains(spec, TraceTokens(seed=args.seed)).shapes(records))
+        trace, tokens = args.trace, TraceTokens(seed=args.seed)
+        if args.trace_block_tokens:
+            # The trace as bench_peers replays it through aiperf: blocks of fewer tokens.
+            from loadtest.aiperf_client import rescale_trace
+
+            with tempfile.TemporaryDirectory() as tmp:
+                trace = Path(tmp) / "rescaled.jsonl"
+                rescale_trace(
+                    args.trace,
+                    trace,
+                    block_tokens=args.trace_block_tokens,
+                    limit=args.limit or 10**9,
+                )
+                records = load_trace(trace, limit=args.limit, time_scale=args.time_scale)
+            tokens = TraceTokens(block_tokens=args.trace_block_tokens, seed=args.seed)
+        else:
+            records = load_trace(trace, limit=args.limit, time_scale=args.time_scale)
+        return list(TraceChains(spec, tokens).shapes(records))
     convs = synthetic_workload(args)
     shapes = conversation_shapes(convs, spec)
     return shapes[: args.limit] if args.limit else shapes
@@ -223,6 +240,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="synthetic workload when no --trace is given",
     )
     src.add_argument("--limit", type=int, help="replay only the first N requests")
+    src.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=0,
+        help="rescale the trace's 512-token blocks to this many tokens (as bench_peers does)",
+    )
     src.add_argument(
         "--time-scale",
         type=float,
