@@ -58,6 +58,7 @@ class SimConfig:
     event_delay_s: float = 0.05
     heartbeat_s: float = 1.0  # 0 = the router sees live load
     speculative_ttl_s: float = 2.0
+    max_num_seqs: int = 0  # sequences a worker runs at once, prefill included (0 = no cap)
     session_ttl_s: float = 600.0
     policy: str = "kvroute"
     balance_factor: float = RouterConfig.balance_factor
@@ -220,7 +221,12 @@ class FleetSimulation:
         )
         w.queued_estimate += rec.queued_estimate
         w.queue.append(rec)
-        if w.current is None:
+        self._maybe_start(w, now)
+
+    def _maybe_start(self, w: _Worker, now: float) -> None:
+        """Starts the next queued prefill if the worker is free and its batch has room."""
+        cap = self.cfg.max_num_seqs
+        if w.current is None and w.queue and (cap <= 0 or w.decoding < cap):
             self._start_next(w, now)
 
     def _start_next(self, w: _Worker, now: float) -> None:
@@ -250,8 +256,7 @@ class FleetSimulation:
         w.decoding += 1
         decode = max(rec.shape.output_tokens - 1, 0) * self.cfg.decode_step_s
         self._push(now + decode, _FINISH, rec)
-        if w.queue:
-            self._start_next(w, now)
+        self._maybe_start(w, now)
 
     def _finish(self, now: float, rec: RequestRecord) -> None:
         w = self.workers[rec.worker]
@@ -270,6 +275,7 @@ class FleetSimulation:
         w.cache.release(chain)
         for nxt in self._followers.pop(shape.request_id, ()):
             self._push(now + nxt.think_s, _ARRIVE, nxt)
+        self._maybe_start(w, now)  # a batch slot is free
 
     def _stored(self, now: float, data: tuple[str, list[int]]) -> None:
         self.index.add(data[0], data[1])

@@ -18,7 +18,9 @@ shared system prompt) and ``zipf_prefix`` (a few long shared prefixes with
 Zipf popularity, the traffic a prefix-threshold router like SGLang's is built
 for), both with 16-token blocks, and ``bursty`` (the two mixed, every arrival of
 each 20 s window squeezed into its first 4 s: five times the mean rate, then
-silence).
+silence), and ``mooncake_32`` (the trace rescaled to 32-token blocks as
+``bench_peers`` replays it through aiperf on emulated workers: its first 500
+requests, 16-token engine blocks, sped up 4x and 8x).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import json
 import logging
 import math
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -37,6 +40,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from contract.hashing import HashSpec
+from loadtest.aiperf_client import rescale_trace
 from loadtest.fleetsim import SIM_POLICIES, SimConfig
 from loadtest.mooncake_trace import TraceChains, TraceTokens, load_trace
 from loadtest.simulate import router_options, run_policy
@@ -70,7 +74,10 @@ WORKLOADS = {
     "chat": Workload("chat", 16, (16_384, 262_144), (1.0, 2.0)),
     "zipf_prefix": Workload("zipf_prefix", 16, (16_384, 262_144), (1.0, 2.0)),
     "bursty": Workload("bursty", 16, (16_384, 262_144), (1.0, 2.0)),
+    # The trace as bench_peers replays it on emulated workers: 32-token trace blocks.
+    "mooncake_32": Workload("mooncake_32", 16, (16_384, 65_536), (4.0, 8.0)),
 }
+PEERS_REPLAY_REQUESTS = 500  # loadtest.peers_matrix's trace_limit
 BURST_PERIOD_S = 20.0
 BURST_ON_S = 4.0
 
@@ -91,6 +98,15 @@ def shapes_for(w: Workload, rate: float, limit: int, seed: int) -> list[RequestS
     if w.name == "mooncake":
         records = load_trace(TRACE, limit=limit, time_scale=1.0 / rate)
         return list(TraceChains(spec, TraceTokens(seed=seed)).shapes(records))
+    if w.name == "mooncake_32":
+        # As long as bench_peers' replay: the first requests, while caches still fill.
+        n = min(limit, PEERS_REPLAY_REQUESTS)
+        with tempfile.TemporaryDirectory() as tmp:
+            rescaled = Path(tmp) / "rescaled.jsonl"
+            rescale_trace(TRACE, rescaled, block_tokens=32, limit=n)
+            records = load_trace(rescaled, limit=n, time_scale=1.0 / rate)
+        tokens = TraceTokens(block_tokens=32, seed=seed)
+        return list(TraceChains(spec, tokens).shapes(records))
     if w.name == "bursty":
         chat = _synthetic("chat", rate, seed, users=64)
         groups = _synthetic("zipf_prefix", rate * 0.5, seed + 1, groups=12, system_tokens=2000)

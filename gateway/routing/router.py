@@ -43,7 +43,14 @@ The ``kvroute`` policy, step by step:
    fleet's cache sits empty. Tokens no worker holds cost the same everywhere
    and are not weighted. docs/ROUTING.md has the sweep behind each rule.
 4. Workers within ``TIE_RELATIVE`` of the best score are tied: the
-   session's last worker wins a tie, then the least loaded, then rotation.
+   session's last worker wins a tie, then the emptiest cache (fills within
+   ``FILL_TIE`` are equal; a request that evicts nothing there costs the
+   fleet nothing), then the least loaded, then rotation. Without the fill
+   step, cold requests while caches fill went by load alone and piled onto
+   a few workers, whose caches then evicted what the idle ones could have
+   kept (the 500-request Mooncake replay of ``bench_peers``: 0.131 hit rate
+   against ``sglang_like``'s 0.147 in the simulator with 16,384-token caches;
+   0.154 with it).
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ TIE_RELATIVE = 0.05
 # (step 2): queued requests, and seconds of queued prefill.
 QUEUE_SLACK = 2
 WORK_SLACK_S = 2.0
+# Cache fills this close are the same for a tie-break (step 4): index counts lag events.
+FILL_TIE = 0.02
 # A prediction is never below this many tokens of work: the worker always
 # computes the last prompt token, even when every block is cached.
 _MIN_UNCACHED_TOKENS = 1
@@ -287,6 +296,11 @@ class Router:
         return min(fills) if fills else None
 
     def _least_loaded_rotating(self, tied: list[WorkerState]) -> WorkerState:
+        fills = [w.cache_fill for w in tied]
+        known = [f for f in fills if f is not None]
+        if len(known) == len(tied) and len(tied) > 1:
+            emptiest = min(known)
+            tied = [w for w, f in zip(tied, known, strict=True) if f <= emptiest + FILL_TIE]
         low = min(worker_load(w) for w in tied)
         least = [w for w in tied if worker_load(w) == low]
         if len(least) == 1:

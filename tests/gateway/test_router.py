@@ -243,3 +243,17 @@ def test_bad_input_and_config() -> None:
         RouterConfig(policy="nope")
     with pytest.raises(ValueError, match="--balance-factor"):
         RouterConfig(balance_factor=0.5)
+
+
+def test_a_tie_goes_to_the_emptiest_cache_before_the_least_loaded() -> None:
+    router = Router(RouterConfig(decode_weight_s=0.0))
+    full = WorkerState("a", 0, held_blocks=900, capacity_blocks=1000)
+    empty = WorkerState("b", 0, waiting=1, held_blocks=100, capacity_blocks=1000)
+    # cold request, equal scores: b's cache has room (a would evict), so b despite its queue
+    d = router.choose(req(160), [full, empty])
+    assert d.worker_id == "b"
+    # fills within FILL_TIE are the same: then the least loaded wins as before
+    near = WorkerState("b", 0, waiting=1, held_blocks=890, capacity_blocks=1000)
+    assert router.choose(req(160), [full, near]).worker_id == "a"
+    # unknown capacity anywhere: load decides
+    assert router.choose(req(160), [WorkerState("a", 0), empty]).worker_id == "a"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,27 @@ def test_ttft_is_queue_wait_plus_uncached_prefill() -> None:
     # d queues behind c, then finds everything cached but its last token.
     assert rc.ttft_s == pytest.approx(0.2)
     assert rd.cached_tokens == 199 and rd.ttft_s == pytest.approx(0.2 + 0.001)
+
+
+def test_a_full_batch_holds_the_next_prefill_until_a_sequence_finishes() -> None:
+    cfg = SimConfig(
+        workers=1,
+        block_size=100,
+        capacity_tokens=1000,
+        prefill_tokens_per_s=1000.0,
+        decode_step_s=0.1,
+        event_delay_s=0.0,
+        heartbeat_s=0.0,
+        max_num_seqs=1,
+    )
+    a = shape("a", 0.0, (1, 2), 250)  # prefill 0.25 s, then 10 decode steps: done at 1.25 s
+    b = shape("b", 0.0, (7, 8), 250)
+    ra, rb = FleetSimulation(cfg).run([a, b])
+    assert ra.ttft_s == pytest.approx(0.25)
+    assert rb.start_s == pytest.approx(1.25) and rb.ttft_s == pytest.approx(1.5)
+    # without the cap b's prefill follows a's at once
+    free = FleetSimulation(replace(cfg, max_num_seqs=0)).run([a, b])
+    assert free[1].ttft_s == pytest.approx(0.5)
 
 
 def test_router_view_lags_by_the_event_delay() -> None:
