@@ -209,6 +209,49 @@ def test_openai_sdk_streaming_usage_and_disconnect(fleet: VllmFleet) -> None:
     assert 2 <= generated < 200, generated
 
 
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 12}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+def test_sampling_options_pass_through_to_vllm(fleet: VllmFleet) -> None:
+    """logprobs, top_logprobs, a JSON schema, penalties and a seed reach whichever worker
+    serves, vLLM included: the gateway must not drop what vLLM implements."""
+    client = openai.OpenAI(base_url=f"{fleet.gateway_url}/v1", api_key="unused")
+    model = served_model_name(fleet.model_dir)
+    served: set[str] = set()
+    for n in range(8):
+        raw = client.chat.completions.with_raw_response.create(
+            model=model,
+            messages=[{"role": "user", "content": f"Topic {n}: name one cache in one word."}],
+            max_tokens=24,
+            temperature=0.7,
+            seed=n,
+            presence_penalty=0.5,
+            logprobs=True,
+            top_logprobs=2,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA},
+            },
+        )
+        worker = raw.headers["x-kvroute-worker"]
+        served.add(worker)
+        choice = raw.parse().choices[0]
+        parsed = json.loads(choice.message.content or "")
+        assert set(parsed) == {"answer"} and isinstance(parsed["answer"], str), (worker, parsed)
+        assert len(parsed["answer"]) <= 12, (worker, parsed)
+        assert choice.logprobs is not None and choice.logprobs.content, worker
+        for token in choice.logprobs.content:
+            assert token.logprob <= 0.0 and len(token.top_logprobs) == 2, (worker, token)
+        if worker.startswith("vllm-") and n >= 2:
+            break
+    assert any(w.startswith("vllm-") for w in served), served
+
+
 def _ids(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(100, 40000) for _ in range(n)]
