@@ -9,80 +9,26 @@ change greedy output exactly as an HF loop applying the same rule does.
 from __future__ import annotations
 
 import json
-import signal
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from openai import OpenAI
 
-from tests.gateway.helpers import namespace
-from tests.gateway.test_fleet import Proc, _spawn
-from tests.support import free_port, wait_for_port, wait_until
+from tests.gateway.pair import Pair, serve_pair
 
 pytestmark = pytest.mark.slow
 PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203]
-
-
-@dataclass
-class Pair:
-    model_dir: Path
-    name: str
-    gateway: Proc
-    worker: Proc
-
-    def client(self) -> OpenAI:
-        return OpenAI(base_url=f"http://127.0.0.1:{self.gateway.port}/v1", api_key="x")
-
-    def worker_client(self) -> OpenAI:
-        port = self.worker.extra["http_port"]
-        return OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
 
 
 @pytest.fixture(scope="module")
 def pair(
     tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pair]:
-    logs = tmp_path_factory.mktemp("options-logs")
-    ns = namespace()
-    grpc_port, http_port, gw_port = free_port(), free_port(), free_port()
-    common = ["--model", str(tiny_llama), "--redis-url", redis_url, "--redis-namespace", ns]
-    worker = _spawn(
-        "w0",
-        ["worker", *common, "--worker-id", "w0", "--grpc-port", str(grpc_port),
-         "--http-port", str(http_port), "--num-blocks", "256", "--heartbeat-interval", "0.3",
-         "--heartbeat-ttl", "1.5", "--log-level", "WARNING"],
-        logs,
-        grpc_port,
-    )  # fmt: skip
-    worker.extra["http_port"] = http_port
-    gateway = _spawn(
-        "gateway",
-        ["gateway", *common, "--port", str(gw_port), "--host", "127.0.0.1",
-         "--log-level", "warning"],
-        logs,
-        gw_port,
-    )  # fmt: skip
-    try:
-        for port in (grpc_port, http_port, gw_port):
-            wait_for_port(port, timeout=120)
-
-        def ready() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{gw_port}/readyz", timeout=5) as r:
-                    return json.loads(r.read()).get("healthy_workers") == 1
-            except OSError:
-                return False
-
-        wait_until(ready, timeout=60, what="the gateway sees the worker")
-        yield Pair(tiny_llama, tiny_llama.resolve().name, gateway, worker)
-    finally:
-        for p in (gateway, worker):
-            p.stop(signal.SIGTERM)
+    with serve_pair(tiny_llama, redis_url, tmp_path_factory.mktemp("options-logs")) as p:
+        yield p
 
 
 @pytest.fixture(scope="module")

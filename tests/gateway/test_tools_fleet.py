@@ -11,23 +11,18 @@ worker's (same prompt length, the worker's render, and a repeat routed for its c
 from __future__ import annotations
 
 import json
-import signal
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
-from openai import OpenAI
 
 from gateway.text.tokenizer import ChatTokenizer
 from openai_api.requests import parse_chat
-from tests.gateway.helpers import namespace
-from tests.gateway.test_fleet import Proc, _spawn
-from tests.support import free_port, wait_for_port, wait_until
+from tests.gateway.pair import Pair, serve_pair
 
 pytestmark = pytest.mark.slow
 
@@ -63,62 +58,14 @@ SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
 ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@dataclass
-class Pair:
-    model_dir: Path
-    name: str
-    gateway: Proc
-    worker: Proc
-
-    def client(self) -> OpenAI:
-        return OpenAI(base_url=f"http://127.0.0.1:{self.gateway.port}/v1", api_key="x")
-
-    def worker_client(self) -> OpenAI:
-        port = self.worker.extra["http_port"]
-        return OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
-
-
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
 def pair(
     request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pair]:
     model: Path = request.getfixturevalue(f"tiny_{request.param}")
     logs = tmp_path_factory.mktemp(f"tools-logs-{request.param}")
-    ns = namespace()
-    grpc_port, http_port, gw_port = free_port(), free_port(), free_port()
-    common = ["--model", str(model), "--redis-url", redis_url, "--redis-namespace", ns]
-    worker = _spawn(
-        "w0",
-        ["worker", *common, "--worker-id", "w0", "--grpc-port", str(grpc_port),
-         "--http-port", str(http_port), "--num-blocks", "256", "--heartbeat-interval", "0.3",
-         "--heartbeat-ttl", "1.5", "--log-level", "WARNING"],
-        logs,
-        grpc_port,
-    )  # fmt: skip
-    worker.extra["http_port"] = http_port
-    gateway = _spawn(
-        "gateway",
-        ["gateway", *common, "--port", str(gw_port), "--host", "127.0.0.1",
-         "--log-level", "warning"],
-        logs,
-        gw_port,
-    )  # fmt: skip
-    try:
-        for port in (grpc_port, http_port, gw_port):
-            wait_for_port(port, timeout=120)
-
-        def ready() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{gw_port}/readyz", timeout=5) as r:
-                    return json.loads(r.read()).get("healthy_workers") == 1
-            except OSError:
-                return False
-
-        wait_until(ready, timeout=60, what="the gateway sees the worker")
-        yield Pair(model, model.resolve().name, gateway, worker)
-    finally:
-        for p in (gateway, worker):
-            p.stop(signal.SIGTERM)
+    with serve_pair(model, redis_url, logs) as p:
+        yield p
 
 
 def _check_call(call: Any, names: set[str]) -> dict[str, Any]:
