@@ -267,6 +267,17 @@ class Fleet:
                     f"gateway exited with {self.gateway.returncode}; its last lines:\n"
                     f"{self.logs['gateway'].tail()}"
                 )
+            # A worker can die after its port answered (another process held that port):
+            # fail now with its log instead of waiting out the start-up timeout.
+            for worker in self.workers:
+                if worker.proc.poll() is not None:
+                    log = self.logs.get(worker.worker_id)
+                    if log is not None:
+                        log.join()
+                    raise RuntimeError(
+                        f"{worker.worker_id} exited with {worker.proc.returncode}; its last lines:\n"
+                        f"{log.tail() if log is not None else ''}"
+                    )
             if self.healthy_workers() >= want:
                 return
             time.sleep(0.2)

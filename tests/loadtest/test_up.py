@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.fleet import Fleet, FleetConfig, free_port
+from loadtest.fleet import Fleet, FleetConfig, WorkerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,3 +107,25 @@ def test_up_streams_prefixed_logs_and_writes_them(tiny_llama: Path, tmp_path: Pa
         assert (tmp_path / f"{name}.log").stat().st_size > 0, name
     assert "kvroute gateway serving" in (tmp_path / "gateway.log").read_text()
     assert f"logs in {tmp_path}/" in out
+
+
+def test_wait_ready_fails_fast_when_a_worker_dies_after_its_port_answered() -> None:
+    """Another process held the worker's port, so the port answered; the worker then died
+    (its HTTP bind failed). ``wait_ready`` must say so, not wait out the start-up timeout."""
+    holders = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    worker_port, gateway_port = (h.getsockname()[1] for h in holders)
+    dying = subprocess.Popen(["sleep", "1"])
+    gateway = subprocess.Popen(["sleep", "60"])
+    try:
+        fleet = Fleet(FleetConfig(model="unused", startup_timeout=60))
+        fleet.workers = [WorkerProcess("worker-0", worker_port, 0, dying)]
+        fleet.gateway, fleet.gateway_port = gateway, gateway_port
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="worker-0 exited"):
+            fleet.wait_ready()
+        assert time.monotonic() - t0 < 20
+    finally:
+        gateway.kill()
+        dying.kill()
+        for h in holders:
+            h.close()
