@@ -289,9 +289,10 @@ class Router:
         if fleet_cached <= 0:
             return None
         fills = [
-            w.cache_fill
+            fill
             for w in ws
-            if self._cached_tokens(request, w) == fleet_cached and w.cache_fill is not None
+            if (fill := w.cache_fill) is not None
+            and self._cached_tokens(request, w) == fleet_cached
         ]
         return min(fills) if fills else None
 
