@@ -27,16 +27,20 @@ def shape(rid: str, t: float, keys: tuple[int, ...], prompt: int, out: int = 11)
     )
 
 
+# One worker, exact time model: 1,000 prefill tokens/s, 0.1 s a decode step, no lag.
+ONE_WORKER = SimConfig(
+    workers=1,
+    block_size=100,
+    capacity_tokens=1000,
+    prefill_tokens_per_s=1000.0,
+    decode_step_s=0.1,
+    event_delay_s=0.0,
+    heartbeat_s=0.0,
+)
+
+
 def test_ttft_is_queue_wait_plus_uncached_prefill() -> None:
-    cfg = SimConfig(
-        workers=1,
-        block_size=100,
-        capacity_tokens=1000,
-        prefill_tokens_per_s=1000.0,
-        decode_step_s=0.1,
-        event_delay_s=0.0,
-        heartbeat_s=0.0,
-    )
+    cfg = ONE_WORKER
     a = shape("a", 0.0, (1, 2), 250)
     b = shape("b", 0.5, (1, 2, 3), 320)
     ra, rb = FleetSimulation(cfg).run([a, b])
@@ -53,16 +57,7 @@ def test_ttft_is_queue_wait_plus_uncached_prefill() -> None:
 
 
 def test_a_full_batch_holds_the_next_prefill_until_a_sequence_finishes() -> None:
-    cfg = SimConfig(
-        workers=1,
-        block_size=100,
-        capacity_tokens=1000,
-        prefill_tokens_per_s=1000.0,
-        decode_step_s=0.1,
-        event_delay_s=0.0,
-        heartbeat_s=0.0,
-        max_num_seqs=1,
-    )
+    cfg = replace(ONE_WORKER, max_num_seqs=1)
     a = shape("a", 0.0, (1, 2), 250)  # prefill 0.25 s, then 10 decode steps: done at 1.25 s
     b = shape("b", 0.0, (7, 8), 250)
     ra, rb = FleetSimulation(cfg).run([a, b])
