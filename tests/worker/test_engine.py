@@ -20,7 +20,13 @@ from contract.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from contract.hashing import HashSpec, block_hashes
 from worker.engine.batch import SeqChunk
 from worker.engine.sequence import RequestTimings, SamplingParams
-from worker.engine.thread import Engine, EngineConfig, EngineStats, RequestOutput
+from worker.engine.thread import (
+    Engine,
+    EngineConfig,
+    EngineStats,
+    RequestOutput,
+    merge_outputs,
+)
 from worker.model.sampler import Sampler
 
 BS = 4
@@ -89,8 +95,24 @@ def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
+class SteppedRunner(FakeRunner):
+    """A FakeRunner whose every step waits for one ``release``: the test sets the pace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._allowed = threading.Semaphore(0)
+
+    def release(self, steps: int = 1) -> None:
+        for _ in range(steps):
+            self._allowed.release()
+
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        assert self._allowed.acquire(timeout=5), "the test never released this step"
+        return super().execute(chunks)
+
+
 class Harness:
-    def __init__(self, runner: FakeRunner, **config: Any) -> None:
+    def __init__(self, runner: FakeRunner, stream_interval: int = 1, **config: Any) -> None:
         self.runner = runner
         self.events: list[KVEvent] = []
         self.finished: list[tuple[RequestOutput, RequestTimings]] = []
@@ -101,6 +123,7 @@ class Harness:
             on_events=self.events.extend,
             on_request_finished=lambda out, t: self.finished.append((out, t)),
             sampler=Sampler(),
+            stream_interval=stream_interval,
         )
 
     async def run(
@@ -139,14 +162,19 @@ class Harness:
 @pytest.fixture
 async def make() -> AsyncIterator[Callable[..., Harness]]:
     made: list[Harness] = []
+    made_stepped: list[SteppedRunner] = []
 
     def factory(runner: FakeRunner | None = None, **config: Any) -> Harness:
+        if isinstance(runner, SteppedRunner):
+            made_stepped.append(runner)
         h = Harness(runner or FakeRunner(), **config)
         h.engine.start()
         made.append(h)
         return h
 
     yield factory
+    for runner in made_stepped:
+        runner.release(1000)  # let shutdown's last step through
     for h in made:
         if h.runner.gate is not None:
             h.runner.gate.set()
@@ -235,14 +263,17 @@ async def test_seeded_sampling_is_reproducible(make: Callable[..., Harness]) -> 
 
 
 async def test_close_cancel_and_abort_free_everything(make: Callable[..., Harness]) -> None:
-    runner = FakeRunner()
+    runner = SteppedRunner()  # one step at first, so the request is surely mid-stream
     runner.gate = threading.Event()
     h = make(runner)
     runner.gate.set()
     gen = h.engine.generate("closed", [1, 2, 3, 4, 5], greedy(30))
-    first = await gen.__anext__()
+    pending = asyncio.ensure_future(gen.__anext__())
+    runner.release()
+    first = await asyncio.wait_for(pending, 5)
     assert first.new_token_ids == expected([1, 2, 3, 4, 5], 1)
     await gen.aclose()
+    runner.release(1000)  # from here on the gate alone holds the steps
 
     runner.gate.clear()  # hold the engine mid-step so both requests are surely in flight
     task = asyncio.create_task(h.collect("cancelled", [9] * 9, greedy(30)))
@@ -347,3 +378,111 @@ async def test_duplicate_request_id_and_config_checks(make: Callable[..., Harnes
         Engine(FakeRunner(), EngineConfig(max_model_len=1000), hash_spec=SPEC, sampler=Sampler())
     with pytest.raises(ValueError, match="--max-batch-tokens"):
         EngineConfig(max_batch_tokens=0)
+
+
+async def _after_steps(runner: FakeRunner, steps: int) -> None:
+    """Waits until ``runner`` ran ``steps`` steps and their outputs reached the loop."""
+    for _ in range(500):
+        if len(runner.steps) >= steps:
+            break
+        await asyncio.sleep(0.01)
+    assert len(runner.steps) >= steps
+    await asyncio.sleep(0.05)  # the engine thread's call_soon_threadsafe deliveries
+
+
+async def test_a_slow_reader_gets_what_piled_up_as_one_output(
+    make: Callable[..., Harness],
+) -> None:
+    runner = SteppedRunner()
+    h = make(runner)
+    prompt = [3, 4, 5]
+    gen = h.engine.generate("slow", prompt, greedy(6))
+    first = asyncio.ensure_future(gen.__anext__())
+    runner.release()
+    out = await asyncio.wait_for(first, 5)
+    assert len(out.new_token_ids) == 1 and not out.finished  # the first token is not held
+    runner.release(4)
+    await _after_steps(runner, 5)
+    out = await asyncio.wait_for(gen.__anext__(), 5)  # four steps' tokens, one output
+    assert len(out.new_token_ids) == 4 and not out.finished
+    runner.release()
+    last = await asyncio.wait_for(gen.__anext__(), 5)
+    assert last.finished and last.new_token_ids == expected(prompt, 6)[5:]
+    assert (last.completion_tokens, last.prompt_tokens, last.finish_reason) == (6, 3, "length")
+    await gen.aclose()
+
+
+async def test_tokens_before_a_failure_come_out_then_the_error(
+    make: Callable[..., Harness],
+) -> None:
+    runner = SteppedRunner()
+    h = make(runner)
+    gen = h.engine.generate("fails", [3, 4, 5], greedy(8))
+    first = asyncio.ensure_future(gen.__anext__())
+    runner.release()
+    assert (await asyncio.wait_for(first, 5)).new_token_ids == expected([3, 4, 5], 1)
+    runner.release(2)
+    await _after_steps(runner, 3)
+    runner.fail_next = True
+    runner.release()
+    await asyncio.sleep(0.1)
+    out = await asyncio.wait_for(gen.__anext__(), 5)  # the two tokens ready before the failure
+    assert out.new_token_ids == expected([3, 4, 5], 3)[1:]
+    with pytest.raises(RuntimeError, match="boom"):
+        await asyncio.wait_for(gen.__anext__(), 5)
+    assert_refcounts_zero(h)
+
+
+def test_merge_outputs_keeps_order_and_the_last_outputs_finish() -> None:
+    def out(tokens: list[int], **kw: Any) -> RequestOutput:
+        fields: dict[str, Any] = {
+            "request_id": "r",
+            "finished": False,
+            "finish_reason": None,
+            "prompt_tokens": 7,
+            "cached_tokens": 4,
+            "completion_tokens": 0,
+            "ttft_s": 0.5,
+        }
+        fields.update(kw)
+        return RequestOutput(
+            new_token_ids=tokens, new_logprobs=[f"lp{t}" for t in tokens], **fields
+        )
+
+    merged = merge_outputs(
+        [
+            out([1], completion_tokens=1),
+            out([2, 3], completion_tokens=3),
+            out([4], completion_tokens=4, finished=True, finish_reason="stop"),
+        ]
+    )
+    assert merged.new_token_ids == [1, 2, 3, 4]
+    assert merged.new_logprobs == ["lp1", "lp2", "lp3", "lp4"]
+    assert (merged.finished, merged.finish_reason, merged.completion_tokens) == (True, "stop", 4)
+    assert (merged.prompt_tokens, merged.cached_tokens, merged.ttft_s) == (7, 4, 0.5)
+
+
+async def test_stream_interval_holds_tokens_but_not_the_first_or_last(
+    make: Callable[..., Harness],
+) -> None:
+    runner = SteppedRunner()
+    h = make(runner, stream_interval=3)
+    prompt = [3, 4, 5]
+    gen = h.engine.generate("every3", prompt, greedy(8))
+    first = asyncio.ensure_future(gen.__anext__())
+    runner.release()
+    assert len((await asyncio.wait_for(first, 5)).new_token_ids) == 1  # TTFT is not held
+    pending = asyncio.ensure_future(gen.__anext__())
+    runner.release(2)
+    await _after_steps(runner, 3)
+    assert not pending.done()  # two tokens ready, three wanted
+    runner.release()
+    out = await asyncio.wait_for(pending, 5)
+    assert len(out.new_token_ids) == 3 and not out.finished
+    runner.release(4)  # tokens 5..8; the eighth ends the request and goes out at once
+    rest = [o async for o in gen]
+    assert rest[-1].finished
+    assert all(len(o.new_token_ids) >= 3 for o in rest[:-1])
+    assert [t for o in rest for t in o.new_token_ids] == expected(prompt, 8)[4:]
+    with pytest.raises(ValueError, match="--stream-interval"):
+        Engine(FakeRunner(), EngineConfig(), hash_spec=SPEC, sampler=Sampler(), stream_interval=0)

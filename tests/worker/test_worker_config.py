@@ -25,6 +25,8 @@ def test_flags_win_over_env_and_env_over_defaults(tmp_path: Path) -> None:
     assert cfg.served_model_name == tmp_path.name  # the folder name is the default
     assert cfg.worker_id.endswith(f"-{os.getpid()}")
     assert (cfg.http_port, cfg.heartbeat_interval, cfg.heartbeat_ttl) == (8001, 1.0, 3.0)
+    assert cfg.stream_interval == 1  # every step's tokens go out as they come
+    assert config_from_args(["--model", "m"], {"KVROUTE_STREAM_INTERVAL": "4"}).stream_interval == 4
     assert env_name("--pin-system-prompt") == "KVROUTE_PIN_SYSTEM_PROMPT"
 
 
@@ -50,6 +52,7 @@ def test_alias_and_gguf_names() -> None:
         (["--tls-cert", "/nope.pem"], "--tls-cert"),
         (["--pin-system-prompt", "/nope.txt"], "--pin-system-prompt"),
         (["--block-size", "0"], "--block-size"),
+        (["--stream-interval", "0"], "--stream-interval"),
     ],
 )
 def test_bad_values_name_the_flag(argv: list[str], flag: str) -> None:

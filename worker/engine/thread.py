@@ -5,7 +5,8 @@ threads reach them only through the command queue (``generate``, ``abort``,
 ``pin_prefix``...) or under the core's lock for read-only snapshots
 (``stats``, ``resident_block_hashes``). Outputs go back to each request's
 ``asyncio.Queue`` with ``loop.call_soon_threadsafe``; the engine never waits
-on a consumer.
+on a consumer, and a consumer that falls behind gets what piled up as one
+merged output (``generate``), so a busy reader sends fewer, larger messages.
 
 Hooks, all called on the engine thread and required not to block:
 
@@ -51,6 +52,7 @@ __all__ = [
     "EngineStats",
     "RequestOutput",
     "RequestTimings",
+    "merge_outputs",
 ]
 
 
@@ -59,6 +61,23 @@ FinishedHook = Callable[[RequestOutput, RequestTimings], None]
 # for a while" always means stuck (or dead), never just idle.
 _IDLE_BEAT_S = 0.25
 _Command = Callable[[], None]
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """One output for consecutive outputs of a request: their tokens and logprobs in order,
+    the prompt and cached counts of the first, the rest (finish, usage, TTFT) of the last."""
+    first, last = outputs[0], outputs[-1]
+    return RequestOutput(
+        request_id=last.request_id,
+        new_token_ids=[t for o in outputs for t in o.new_token_ids],
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        prompt_tokens=first.prompt_tokens,
+        cached_tokens=first.cached_tokens,
+        completion_tokens=last.completion_tokens,
+        ttft_s=last.ttft_s if last.ttft_s is not None else first.ttft_s,
+        new_logprobs=[lp for o in outputs for lp in o.new_logprobs],
+    )
 
 
 @dataclass
@@ -81,7 +100,12 @@ class Engine:
         on_events: Callable[[list[KVEvent]], None] | None = None,
         on_request_finished: FinishedHook | None = None,
         sampler: Any = None,
+        stream_interval: int = 1,
     ) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"--stream-interval must be at least 1, got {stream_interval}")
+        # Tokens a stream holds back before sending (1: send whatever is ready).
+        self.stream_interval = stream_interval
         self.core = EngineCore(
             runner,
             config,
@@ -170,8 +194,13 @@ class Engine:
         cache_salt: str = "",
         lora: str = "",
     ) -> AsyncIterator[RequestOutput]:
-        """Streams a request's outputs, one per step that gave it tokens, the last ``finished``.
+        """Streams a request's outputs, the last ``finished``.
 
+        Each output carries every token that is ready when the caller asks for
+        the next one: a caller that keeps up gets one output per step, a slow
+        one (its previous message still being sent) fewer, larger ones, merged
+        by ``merge_outputs``. With ``stream_interval`` N > 1 an output waits
+        until it holds N tokens, except the first (TTFT) and the last.
         Raises ``ValueError`` for bad input before anything is queued.
         Closing or cancelling the iterator aborts the request and frees its
         blocks. Stop tokens (EOS, ``stop_token_ids``) are included in the
@@ -192,15 +221,40 @@ class Engine:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._queues[request_id] = request_queue
         finished = False
+        items = request_queue.queue
+        held: list[RequestOutput] = []  # ready, not yet sent (fewer than stream_interval tokens)
+        error: BaseException | None = None
+        sent = False  # the first output (TTFT) never waits for stream_interval
         try:
             self._submit(lambda: self._add(seq))
             while not finished:
-                item = await request_queue.queue.get()
-                if isinstance(item, BaseException):
+                if error is not None:
                     finished = True
-                    raise item
-                finished = item.finished
-                yield item
+                    raise error
+                item = await items.get()
+                while True:  # take every output already queued (nothing follows the last)
+                    if isinstance(item, BaseException):
+                        error = item
+                        break
+                    held.append(item)
+                    if item.finished or items.empty():
+                        break
+                    item = items.get_nowait()
+                if not held:
+                    continue
+                if (
+                    self.stream_interval > 1
+                    and sent
+                    and error is None
+                    and not held[-1].finished
+                    and sum(len(o.new_token_ids) for o in held) < self.stream_interval
+                ):
+                    continue  # --stream-interval: wait for more
+                out = held[0] if len(held) == 1 else merge_outputs(held)
+                held = []
+                sent = True
+                finished = out.finished
+                yield out
         finally:
             with self._queues_lock:
                 self._queues.pop(request_id, None)

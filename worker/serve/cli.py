@@ -108,7 +108,12 @@ class WorkerProcess:
             max_model_len=cfg.max_model_len,
         )
         self.engine = Engine(
-            runner, engine_config, hash_spec=spec, on_events=events.put, sampler=sampler
+            runner,
+            engine_config,
+            hash_spec=spec,
+            on_events=events.put,
+            sampler=sampler,
+            stream_interval=cfg.stream_interval,
         )
         if cfg.engine != "emulated":
             from worker.model.logits_processors import Grammars

@@ -59,6 +59,7 @@ class WorkerConfig:
     max_num_seqs: int = 64
     max_batch_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's, capped by the pool
+    stream_interval: int = 1  # tokens a stream holds before sending (vLLM's flag); 1 = none
     heartbeat_interval: float = 1.0
     heartbeat_ttl: float = 3.0
     pin_system_prompt: Path | None = None
@@ -109,6 +110,8 @@ class WorkerConfig:
         _positive("--max-batch-tokens", self.max_batch_tokens)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len {self.max_model_len}: must be at least 2")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval {self.stream_interval}: must be at least 1")
         _positive("--heartbeat-interval", self.heartbeat_interval)
         if self.heartbeat_ttl <= self.heartbeat_interval:
             raise ValueError(
@@ -211,6 +214,12 @@ _FLAGS: dict[str, tuple[str, Callable[[str], object], str]] = {
     "--max-num-seqs": ("max_num_seqs", int, "most sequences running at once"),
     "--max-batch-tokens": ("max_batch_tokens", int, "token budget of one engine step"),
     "--max-model-len": ("max_model_len", int, "longest sequence (default: the model's)"),
+    "--stream-interval": (
+        "stream_interval",
+        int,
+        "send a stream's tokens every N tokens (the first and the last at once); 1 sends "
+        "each step's, and a reader that falls behind gets what piled up in one message",
+    ),
     "--heartbeat-interval": ("heartbeat_interval", float, "seconds between registry heartbeats"),
     "--heartbeat-ttl": ("heartbeat_ttl", float, "registry key TTL in seconds"),
     "--pin-system-prompt": (
