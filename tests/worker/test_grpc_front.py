@@ -33,6 +33,15 @@ async def test_generate_streams_tokens_with_usage_on_the_final_chunk(stack: Stac
     assert final.usage.cached_tokens == 0 and final.ttft_s > 0
 
 
+async def test_logprobs_chunks_carry_one_logprob_per_token(stack: Stack) -> None:
+    chunks = await stack.generate(random_ids(30, 11), max_tokens=8, logprobs=2)
+    assert sum(len(c.token_ids) for c in chunks) == 8
+    for c in chunks:
+        assert len(c.logprobs) == len(c.token_ids), c
+        for lp in c.logprobs:
+            assert lp.logprob <= 0 and len(lp.top_ids) == len(lp.top_logprobs) == 2
+
+
 async def test_a_second_grpc_server_on_a_used_port_fails(stack: Stack) -> None:
     # No SO_REUSEPORT: a twin on the same port would silently share the first one's traffic.
     twin = WorkerService(stack.engine, worker_id="twin")

@@ -99,12 +99,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     chunk.usage.prompt_tokens = out.prompt_tokens
                     chunk.usage.cached_tokens = out.cached_tokens
                 started = True
-                for lp in out.new_logprobs:
-                    chunk.logprobs.add(
-                        logprob=lp.logprob,
-                        top_ids=[t for t, _ in lp.top],
-                        top_logprobs=[v for _, v in lp.top],
-                    )
                 if out.finished:
                     finished = True
                     chunk.finish_reason = out.finish_reason or "stop"
