@@ -28,7 +28,8 @@ from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RollingStats
 from gateway.routing.dispatch import Dispatcher, Job
 from gateway.routing.index import BlockIndex
-from gateway.routing.mirror import IndexMirror, WorkerEntry
+from gateway.routing.mirror import IndexMirror
+from gateway.routing.mirror_state import WorkerEntry
 from gateway.routing.router import Router, RouterConfig
 from gateway.routing.sessions import SessionMap
 from gateway.text.prefix_tokens import Prompt

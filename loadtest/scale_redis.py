@@ -23,7 +23,8 @@ import redis.asyncio as aioredis
 
 from contract.redis_layout import RedisLayout, WorkerRecord
 from gateway.routing.index import BlockIndex
-from gateway.routing.mirror import IndexMirror, WorkerEntry
+from gateway.routing.mirror import IndexMirror
+from gateway.routing.mirror_state import WorkerEntry
 from loadtest.fleet import free_port
 
 

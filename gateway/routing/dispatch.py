@@ -28,7 +28,8 @@ from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RequestRecord, RollingStats
 from gateway.routing.index import BlockIndex
 from gateway.routing.load import GatewayLoad, corrected_load
-from gateway.routing.mirror import IndexMirror, WorkerEntry
+from gateway.routing.mirror import IndexMirror
+from gateway.routing.mirror_state import WorkerEntry
 from gateway.routing.record_check import RecordCheck
 from gateway.routing.router import Decision, Router, RouteRequest, WorkerState
 from gateway.routing.sessions import SessionMap

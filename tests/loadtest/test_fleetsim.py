@@ -202,7 +202,8 @@ def test_simulator_sees_load_exactly_as_the_dispatcher(
     from gateway.observe.window_stats import RollingStats
     from gateway.routing.dispatch import Dispatcher
     from gateway.routing.index import BlockIndex
-    from gateway.routing.mirror import IndexMirror, WorkerEntry
+    from gateway.routing.mirror import IndexMirror
+    from gateway.routing.mirror_state import WorkerEntry
     from gateway.routing.router import Router, RouterConfig
     from gateway.routing.sessions import SessionMap
 
