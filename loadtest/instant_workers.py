@@ -106,7 +106,8 @@ def _openai_app() -> web.Application:
 
 async def serve_instant_workers(workers: int, redis_url: str, namespace: str, ready: Path) -> None:
     """Runs ``workers`` gRPC fakes (registered) and as many HTTP fakes until killed."""
-    from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
+    from worker.publish.event_queue import EventQueue
+    from worker.publish.publisher import Publisher, PublisherConfig
 
     spec = HashSpec(block_size=16, model=MODEL)
     urls, pubs = [], []

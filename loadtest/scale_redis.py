@@ -105,7 +105,8 @@ async def bench_redis(
 
     ``random_hashes(n)`` draws the block hashes (``bench_scale``'s seeded generator).
     """
-    from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
+    from worker.publish.event_queue import EventQueue
+    from worker.publish.publisher import Publisher, PublisherConfig
 
     server = PrivateRedis()
     try:

@@ -36,7 +36,8 @@ from gateway.routing.mirror import IndexMirror
 from tests.gateway.fakes import FakeRegistration
 from tests.gateway.helpers import eventually, namespace, running
 from tests.support import free_port, wait_for_port
-from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
+from worker.publish.event_queue import EventQueue
+from worker.publish.publisher import Publisher, PublisherConfig
 
 SPEC = HashSpec(block_size=4, model="m")
 

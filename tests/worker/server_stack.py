@@ -28,7 +28,8 @@ from contract import worker_pb2_grpc
 from contract.hashing import HashSpec
 from contract.redis_layout import RedisLayout, WorkerRecord, decode_block_set
 from worker.engine.thread import Engine, EngineConfig
-from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
+from worker.publish.event_queue import EventQueue
+from worker.publish.publisher import Publisher, PublisherConfig
 from worker.serve.grpc_server import WorkerService, start_grpc_server
 from worker.serve.http_server import create_app, start_http_server
 from worker.serve.metrics import WorkerMetrics

@@ -18,7 +18,8 @@ import redis.asyncio as aioredis
 from contract.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from contract.redis_layout import EVENT_FIELD, RedisLayout, WorkerRecord, decode_block_set
 from tests.support import RedisProcess
-from worker.publish.publisher import EventQueue, Publisher, PublisherConfig, net_effect
+from worker.publish.event_queue import EventQueue, net_effect
+from worker.publish.publisher import Publisher, PublisherConfig
 
 
 @dataclass

@@ -38,7 +38,8 @@ from worker.bridge.engine_facts import EngineDescriber, EngineFacts, TokenizerMi
 from worker.bridge.engine_http import EngineHTTP, RateMeter
 from worker.bridge.engine_view import BridgeStats, EngineView, stats_from_load
 from worker.bridge.subscriber import EventSubscriber
-from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
+from worker.publish.event_queue import EventQueue
+from worker.publish.publisher import Publisher, PublisherConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
 """Announces this worker in Redis: registry heartbeat, block set and event stream.
 
-The engine thread calls ``EventQueue.put`` with each step's KV events; it never
-blocks (a full queue drops the events and marks "needs snapshot"). One asyncio
-task, ``Publisher``, owns every block-set and stream write, in order:
+The engine thread calls ``EventQueue.put`` (``worker.publish.event_queue``) with
+each step's KV events; it never blocks (a full queue drops the events and marks
+"needs snapshot"). One asyncio task, ``Publisher``, owns every block-set and
+stream write, in order:
 
 1. sync: on start (a new epoch) and after any doubt (an outage, an overflow, a
    registry key that vanished) it writes, in one MULTI/EXEC, the registry record,
@@ -30,10 +31,9 @@ import random
 import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
@@ -43,7 +43,6 @@ from redis.exceptions import RedisError
 
 from contract.events import (
     AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
     EventBatch,
     KVEvent,
@@ -57,80 +56,13 @@ from contract.redis_layout import (
     RedisLayout,
     WorkerRecord,
 )
+from worker.publish.event_queue import EventQueue, net_effect
 from worker.publish.heartbeat import Heartbeat
+from worker.publish.load_record import EngineView, with_load
 
 logger = logging.getLogger(__name__)
 
 _HSET_CHUNK = 1_000  # buckets per HSET, so a huge snapshot is not one giant command
-
-
-class EngineView(Protocol):
-    """What the publisher reads from the engine (both calls are thread-safe snapshots)."""
-
-    def stats(self) -> Any: ...
-
-    def resident_block_hashes(self) -> set[int]: ...
-
-
-class EventQueue:
-    """Bounded, lock-free hand-off of KV events from the engine thread to the publisher.
-
-    ``put`` runs on the engine thread and never blocks: when the queue is full it
-    drops the events and raises the overflow flag, and the publisher answers with
-    a full snapshot instead of the lost deltas.
-    """
-
-    def __init__(self, maxsize: int = 10_000) -> None:
-        if maxsize <= 0:
-            raise ValueError("event queue size must be positive")
-        self._items: deque[tuple[KVEvent, ...]] = deque()
-        self._maxsize = maxsize
-        self._overflow = threading.Event()
-        self._notify: Callable[[], None] | None = None
-
-    def put(self, events: Sequence[KVEvent]) -> None:
-        """Engine-thread callback (``Engine(on_events=queue.put)``)."""
-        if not events:
-            return
-        if len(self._items) >= self._maxsize:
-            self._overflow.set()
-        else:
-            self._items.append(tuple(events))
-        notify = self._notify
-        if notify is not None:
-            notify()
-
-    def set_notify(self, notify: Callable[[], None] | None) -> None:
-        """Called (from the engine thread) after each put; must not block."""
-        self._notify = notify
-
-    def drain(self, max_events: int) -> list[KVEvent]:
-        """Removes and returns queued events in order, stopping after ``max_events``."""
-        out: list[KVEvent] = []
-        while self._items and len(out) < max_events:
-            out.extend(self._items.popleft())
-        return out
-
-    def discard(self) -> None:
-        """Drops everything queued (a snapshot is about to supersede it)."""
-        while self._items:
-            self._items.popleft()
-
-    def take_overflow(self) -> bool:
-        """True once after events were dropped."""
-        if self._overflow.is_set():
-            self._overflow.clear()
-            return True
-        return False
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-def _step_age(engine: Any) -> float:
-    """The engine's ``step_age_s()`` (engines without one, e.g. test fakes: 0)."""
-    age = getattr(engine, "step_age_s", None)
-    return float(age()) if age is not None else 0.0
 
 
 @dataclass(frozen=True)
@@ -150,27 +82,6 @@ class PublisherConfig:
     # thread stops and the registry key lapses. Far above any lag under load.
     loop_stall_s: float = 30.0
     cluster: bool = False  # a Redis Cluster (this worker's keys share one hash-tag slot)
-
-
-def net_effect(events: Iterable[KVEvent]) -> tuple[bool, set[int], set[int]]:
-    """(cleared, added, removed): what a run of events does to the block set.
-
-    The last event touching a hash wins, so one SADD and one SREM replay a whole
-    batch; ``cleared`` means the set must be emptied first.
-    """
-    cleared = False
-    state: dict[int, bool] = {}
-    for event in events:
-        if isinstance(event, AllBlocksCleared):
-            cleared = True
-            state.clear()
-        elif isinstance(event, BlockStored):
-            state.update(dict.fromkeys(event.block_hashes, True))
-        elif isinstance(event, BlockRemoved):
-            state.update(dict.fromkeys(event.block_hashes, False))
-    added = {h for h, present in state.items() if present}
-    removed = set() if cleared else {h for h, present in state.items() if not present}
-    return cleared, added, removed
 
 
 class Publisher:
@@ -454,19 +365,7 @@ class Publisher:
 
     def current_record(self) -> WorkerRecord:
         """The registry record with the engine's current load."""
-        stats = self.engine.stats()
-        return replace(
-            self._record,
-            num_blocks=int(stats.num_blocks),
-            running=int(stats.running),
-            waiting=int(stats.waiting),
-            queued_prefill_tokens=int(stats.queued_prefill_tokens),
-            free_blocks=int(stats.free_blocks),
-            prefill_tokens_per_s=float(stats.prefill_tokens_per_s),
-            decode_tokens_per_s=float(stats.decode_tokens_per_s),
-            updated_at=time.time(),
-            engine_step_age_s=_step_age(self.engine),
-        )
+        return with_load(self._record, self.engine)
 
     def _encode(self, seq: int, events: Sequence[KVEvent]) -> bytes:
         return encode_batch(

@@ -63,7 +63,8 @@ class WorkerProcess:
         """Loads the model and starts every component; raises if a port cannot be bound."""
         from worker.engine.thread import Engine, EngineConfig
         from worker.model.store import resolve_model
-        from worker.publish.publisher import EventQueue, Publisher, PublisherConfig
+        from worker.publish.event_queue import EventQueue
+        from worker.publish.publisher import Publisher, PublisherConfig
         from worker.serve.grpc_server import WorkerService, start_grpc_server
         from worker.serve.metrics import WorkerMetrics
 
