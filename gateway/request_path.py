@@ -40,13 +40,8 @@ from gateway.routing.router import Decision
 from gateway.text.prefix_tokens import Prompt
 from gateway.upstream.base import Generation
 from openai_api.errors import APIError
-from openai_api.requests import (
-    ChatRequest,
-    CompletionRequest,
-    SamplingRequest,
-    parse_chat,
-    parse_completion,
-)
+from openai_api.requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from openai_api.sampling import SamplingRequest
 from openai_api.tools import JSON, tool_format
 
 SESSION_HEADER = "X-Session-ID"

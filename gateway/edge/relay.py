@@ -35,7 +35,6 @@ from openai_api.logprobs import (
     completion_logprobs,
     decoder,
 )
-from openai_api.requests import SamplingRequest
 from openai_api.responses import (
     chat_choice,
     chat_chunk,
@@ -45,6 +44,7 @@ from openai_api.responses import (
     completion_response,
     usage_dict,
 )
+from openai_api.sampling import SamplingRequest
 from openai_api.tools import ToolCallStream, Tools, call_deltas
 
 logger = logging.getLogger(__name__)

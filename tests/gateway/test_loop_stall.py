@@ -19,7 +19,7 @@ import json
 import time
 
 from gateway.request_path import MAX_CHARS_PER_TOKEN
-from openai_api.requests import MAX_MESSAGES
+from openai_api.messages import MAX_MESSAGES
 from tests.gateway.conftest import MODEL, MakeGateway
 
 STALL_LIMIT_S = 0.25

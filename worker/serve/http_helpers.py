@@ -17,11 +17,8 @@ from aiohttp import web
 
 from contract.grpc_auth import is_bearer
 from openai_api.errors import APIError
-from openai_api.requests import (
-    parse_chat,
-    parse_completion,
-    parse_messages,
-)
+from openai_api.messages import parse_messages
+from openai_api.requests import parse_chat, parse_completion
 from worker.serve.http_request import (
     ENGINE,
     INFO,

@@ -19,12 +19,8 @@ from typing import Any
 from aiohttp import web
 
 from openai_api.errors import APIError
-from openai_api.requests import (
-    ChatRequest,
-    SamplingRequest,
-    parse_chat,
-    parse_completion,
-)
+from openai_api.requests import ChatRequest, parse_chat, parse_completion
+from openai_api.sampling import SamplingRequest
 from openai_api.tools import JSON, Tools, tool_format
 from worker.engine.sequence import SamplingParams
 from worker.serve.metrics import WorkerMetrics
