@@ -12,6 +12,8 @@ prompt plus 192 blocks). Then:
 - route a 4k-token hit (index walk + ``Router.choose`` over the holders plus
   ``--others`` least-loaded workers) p50/p99, a miss p50, and the same hit
   scored over every worker (what routing over all ``WorkerState`` costs);
+  and the production path, ``Dispatcher`` candidates -> hash -> look up ->
+  choose over every registered worker (``dispatch_hit_p50_ms``/``p99``);
   thread CPU time per call, wall time beside it (on a shared machine the
   wall-clock tail is other processes' scheduling, not this code);
 - ``prune_ms_1m``: expiring 1M speculative entries; ``gc.collect`` pause.
@@ -48,8 +50,17 @@ from typing import Any
 import numpy as np
 import psutil
 
+from contract.hashing import HashSpec
+from contract.redis_layout import WorkerRecord
+from gateway.edge.auth import Tenant
+from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.window_stats import RollingStats
+from gateway.routing.dispatch import Dispatcher, Job
 from gateway.routing.index import BlockIndex
+from gateway.routing.mirror_state import WorkerEntry
 from gateway.routing.router import Router, RouterConfig, RouteRequest, WorkerState
+from gateway.routing.sessions import SessionMap
+from gateway.upstream.base import Generation
 from loadtest.scale_redis import bench_redis
 
 BLOCK_SIZE = 16
@@ -122,6 +133,72 @@ def _states(ids: list[str], cached: dict[str, int], loads: dict[str, int]) -> li
     ]
 
 
+class _ChainPrompt:
+    """A prompt whose block chain is given (the fleet's hashes are synthetic, not token ids)."""
+
+    def __init__(self, chain: list[int]) -> None:
+        self.chain = chain
+        self.ids = [0] * (len(chain) * BLOCK_SIZE)
+
+    def block_hashes(self, spec: HashSpec) -> list[int]:
+        return self.chain
+
+
+def _dispatcher(index: BlockIndex, ids: list[str], loads: dict[str, int]) -> Dispatcher:
+    """The gateway's own Dispatcher over ``index``, every worker registered and healthy."""
+    spec = HashSpec(block_size=BLOCK_SIZE, model="bench")
+    now = time.time()
+    workers = {
+        w: WorkerEntry(
+            record=WorkerRecord(
+                worker_id=w,
+                address="127.0.0.1:1",
+                model="bench",
+                num_blocks=200_000,
+                max_model_len=32_768,
+                running=loads[w],
+                queued_prefill_tokens=loads[w] * 512,
+                prefill_tokens_per_s=8000.0,
+                updated_at=now,
+            ),
+            spec=spec,
+            loaded=True,
+        )
+        for w in ids
+    }
+    mirror: Any = type("Mirror", (), {"workers": workers, "no_worker_hint": lambda self: ""})()
+    return Dispatcher(
+        mirror=mirror,
+        index=index,
+        router=Router(RouterConfig()),
+        upstreams={},
+        sessions=SessionMap(60.0),
+        metrics=GatewayMetrics(),
+        stats=RollingStats(),
+        speculative_ttl_s=2.0,
+        max_queue_per_worker=0,
+        request_timeout_s=60.0,
+        max_retries=2,
+    )
+
+
+def _job(chain: list[int]) -> Job:
+    prompt: Any = _ChainPrompt(chain)
+    generation = Generation(
+        request_id="bench",
+        prompt_ids=prompt.ids,
+        max_tokens=16,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        seed=None,
+        ignore_eos=False,
+        stop_token_ids=(),
+        cache_salt="",
+    )
+    return Job("bench", prompt, generation, Tenant(), session_key=None, started=0.0)
+
+
 def bench_fleet(workers: int, blocks: int, lookups: int, others: int) -> dict[str, Any]:
     """Builds one fleet's index in-process and times lookups and routing."""
     gc.collect()
@@ -149,7 +226,8 @@ def bench_fleet(workers: int, blocks: int, lookups: int, others: int) -> dict[st
     rng = random.Random(1)
     loads = {w: rng.randrange(0, 8) for w in ids}
     least = sorted(ids, key=lambda w: loads[w])[:others]
-    hit_ms, all_ms, miss_ms, look_ms, hit_wall_ms = [], [], [], [], []
+    dispatcher = _dispatcher(index, ids, loads)
+    hit_ms, all_ms, miss_ms, look_ms, hit_wall_ms, dispatch_ms = [], [], [], [], [], []
     clock = time.thread_time  # CPU of this thread: the machine is shared (see --help)
     for n in range(lookups):
         w, chain = fleet.samples[n % len(fleet.samples)]
@@ -171,6 +249,11 @@ def bench_fleet(workers: int, blocks: int, lookups: int, others: int) -> dict[st
             cached = index.longest_prefix(chain, time.monotonic())
             router.choose(req, _states(ids, cached, loads))
             all_ms.append((clock() - t0) * 1e3)
+        job = _job(chain)
+        t0 = clock()
+        cands = dispatcher.hash(job, dispatcher.candidates())
+        dispatcher.choose(job, cands, dispatcher.look_up(cands))
+        dispatch_ms.append((clock() - t0) * 1e3)
         miss = _hashes(len(chain)).tolist()
         t0 = clock()
         cached = index.longest_prefix(miss, time.monotonic())
@@ -197,6 +280,8 @@ def bench_fleet(workers: int, blocks: int, lookups: int, others: int) -> dict[st
         "route_hit_wall_p99_ms": round(_pct(hit_wall_ms, 0.99), 4),
         "route_miss_p50_ms": round(_pct(miss_ms, 0.5), 4),
         "route_hit_all_workers_scored_p50_ms": round(_pct(all_ms, 0.5), 4),
+        "dispatch_hit_p50_ms": round(_pct(dispatch_ms, 0.5), 4),
+        "dispatch_hit_p99_ms": round(_pct(dispatch_ms, 0.99), 4),
         "gc_collect_ms": round(gc_ms, 1),
         "chain_blocks": len(fleet.samples[0][1]),
     }
@@ -259,6 +344,7 @@ def run(fleets: list[tuple[int, int]], lookups: int, others: int, quick: bool) -
         "route_hit_p50_ms_1000_workers": big[0]["route_hit_p50_ms"] if big else None,
         "route_hit_p99_ms_1000_workers": big[0]["route_hit_p99_ms"] if big else None,
         "route_miss_p50_ms_1000_workers": big[0]["route_miss_p50_ms"] if big else None,
+        "dispatch_hit_p99_ms_1000_workers": big[0]["dispatch_hit_p99_ms"] if big else None,
         "load_worker_ms_100k": redis_part["load_worker_ms"],
         "registry_poll_cpu_ms_1000_workers": redis_part["registry_poll_cpu_ms"],
         "prune_ms_1m": round(prune_ms, 1),

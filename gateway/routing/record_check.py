@@ -73,9 +73,21 @@ class RecordCheck:
             registry=registry,
         )
         self._reported: dict[str, str] = {}  # worker id -> the reason last logged
+        # worker id -> (the record last checked, its verdict). Records are frozen and
+        # replaced on every heartbeat, so the same object has the same verdict: a
+        # request re-checks only what changed (1,000 records cost ~1 ms otherwise).
+        self._verdicts: dict[str, tuple[WorkerRecord, str | None]] = {}
 
     def problem(self, rec: WorkerRecord) -> str | None:
         """``record_problem``, or ``engine_stalled``; logs and counts a new reason once."""
+        seen = self._verdicts.get(rec.worker_id)
+        if seen is not None and seen[0] is rec:
+            return seen[1]
+        reason = self._check(rec)
+        self._verdicts[rec.worker_id] = (rec, reason)
+        return reason
+
+    def _check(self, rec: WorkerRecord) -> str | None:
         reason = record_problem(rec)
         if reason is None and rec.engine_step_age_s > self.stall_s:
             reason = "engine_stalled"
@@ -100,3 +112,4 @@ class RecordCheck:
 
     def forget(self, worker_id: str) -> None:
         self._reported.pop(worker_id, None)
+        self._verdicts.pop(worker_id, None)
