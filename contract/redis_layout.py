@@ -15,6 +15,8 @@ All keys live under ``{namespace}:`` so several deployments can share one Redis:
   ``HVALS`` and ``decode_block_set``.
 - ``{ns}:events:{<id>}`` — stream of ``EventBatch`` protobufs in field ``b``
   (capped; a gateway that falls behind the cap reloads the set).
+- ``{ns}:routes`` — stream the gateway replicas share routing decisions and
+  in-flight load through (``gateway.routing.replicas``; capped).
 
 The ``{<id>}`` in braces is a Redis Cluster hash tag: one worker's three keys
 share a slot, so a worker changes its block set and appends to its stream in
@@ -65,6 +67,11 @@ class RedisLayout:
 
     def events(self, worker_id: str) -> str:
         return f"{self.namespace}:events:{{{worker_id}}}"
+
+    @property
+    def routes(self) -> str:
+        """Stream the gateway replicas share their routing through (gateway.routing.replicas)."""
+        return f"{self.namespace}:routes"
 
 
 def valid_worker_id(worker_id: str) -> bool:

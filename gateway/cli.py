@@ -110,6 +110,12 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, Any, str]] = [
     ("--vllm-metrics", "bool", "false", "also export vLLM-named metrics (vllm:*) on /metrics"),
     ("--index-max-entries", int, 0, "memory bound: (worker, block) entries kept (0 = all)"),
     ("--redis-cluster", str, "false", "true: --redis-url is a node of a Redis Cluster"),
+    (
+        "--replica-sync",
+        str,
+        "true",
+        "share in-flight load, speculation and sessions with other gateway replicas via Redis",
+    ),
 ]
 
 
@@ -194,6 +200,7 @@ def config_from_args(argv: list[str]) -> GatewayConfig:
         vllm_metrics=v["--vllm-metrics"],
         index_max_entries=v["--index-max-entries"],
         redis_cluster=_flag_bool("--redis-cluster", v["--redis-cluster"]),
+        replica_sync=_flag_bool("--replica-sync", v["--replica-sync"]),
     )
 
 

@@ -48,6 +48,9 @@ class GatewayConfig:
     executor_min_chars: int = 4096  # longer uncached suffixes are tokenized off the loop
     index_max_entries: int = 0  # (worker, block) entries the index keeps; 0 = unbounded
     redis_cluster: bool = False  # --redis-url is a node of a Redis Cluster
+    # Share in-flight load, speculative entries and sessions with the other gateway
+    # replicas of this namespace through Redis (gateway.routing.replicas).
+    replica_sync: bool = True
 
     def __post_init__(self) -> None:
         RedisLayout(self.redis_namespace)  # validates --redis-namespace

@@ -31,6 +31,7 @@ from gateway.routing.dispatch import Dispatcher
 from gateway.routing.index import BlockIndex
 from gateway.routing.mirror import IndexMirror
 from gateway.routing.record_check import RecordCheck
+from gateway.routing.replicas import ReplicaSync
 from gateway.routing.router import Router
 from gateway.routing.sessions import SessionMap
 from gateway.text.fingerprint import tokenizer_fingerprint
@@ -174,9 +175,12 @@ async def _openapi(request: web.Request) -> web.Response:
 
 async def _background(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
-    task = asyncio.create_task(state.mirror.run(), name="kvroute-index-mirror")
+    tasks = {asyncio.create_task(state.mirror.run(), name="kvroute-index-mirror")}
+    replicas = state.dispatcher.replicas
+    if replicas is not None:
+        tasks.update(replicas.start())
     yield
-    tasks = {task, *state.background}
+    tasks |= state.background
     while tasks:
         # Cancel again until done: a library that swallowed one cancellation gets another.
         for t in tasks:
@@ -239,6 +243,16 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         dispatcher.forget(worker_id)
 
     mirror.on_drop = on_drop
+    if config.replica_sync:
+        dispatcher.replicas = ReplicaSync(
+            mirror._client,
+            config.layout.routes,
+            index,
+            sessions,
+            dispatcher.loads,
+            speculative_ttl_s=config.speculative_ttl_s,
+            known_worker=mirror.workers.__contains__,
+        )
     keys = (
         ApiKeys.load(config.api_keys_file, config.tenant_salt_secret)
         if config.api_keys_file

@@ -31,6 +31,7 @@ from gateway.routing.load import GatewayLoad, corrected_load
 from gateway.routing.mirror import IndexMirror
 from gateway.routing.mirror_state import WorkerEntry
 from gateway.routing.record_check import RecordCheck
+from gateway.routing.replicas import ReplicaSync
 from gateway.routing.router import Decision, Router, RouteRequest, WorkerState
 from gateway.routing.sessions import SessionMap
 from gateway.text.prefix_tokens import Prompt
@@ -163,6 +164,8 @@ class Dispatcher:
         self.record_check = record_check or RecordCheck(metrics.registry, stall_s=5.0)
         self.loads: dict[str, GatewayLoad] = {}
         self._down_until: dict[str, float] = {}
+        # Set by the app when replicas share routing (``gateway.routing.replicas``).
+        self.replicas: ReplicaSync | None = None
 
     # -- candidates and load ------------------------------------------------------
 
@@ -203,26 +206,38 @@ class Dispatcher:
     def state(self, entry: WorkerEntry, cached_blocks: int) -> WorkerState:
         """The router's view of ``entry``: its heartbeat, corrected by this gateway's own view."""
         rec = entry.record
-        load = self.loads.setdefault(rec.worker_id, GatewayLoad())
-        load.saw_record(rec.updated_at)
-        running, waiting, queued = corrected_load(
-            rec.running,
-            rec.waiting,
-            rec.queued_prefill_tokens,
-            load.finished_since_heartbeat,
+        load = self.loads.get(rec.worker_id)
+        if load is None:
+            load = self.loads[rec.worker_id] = GatewayLoad()
+        if load.heartbeat != rec.updated_at:
+            load.saw_record(rec.updated_at)
+        inflight, pending, pending_prefill = (
+            load.inflight,
+            load.pending,
             load.pending_prefill_tokens,
         )
+        peers = self.replicas.peer_load(rec.worker_id) if self.replicas is not None else None
+        if peers is not None:  # what the other gateway replicas have in flight there
+            inflight += peers.inflight
+            pending += peers.pending
+            pending_prefill += peers.pending_prefill_tokens
+        running, waiting, queued = rec.running, rec.waiting, rec.queued_prefill_tokens
+        finished = load.finished - load.finished_at_heartbeat
+        if finished or pending_prefill or not (running or waiting):
+            running, waiting, queued = corrected_load(
+                running, waiting, queued, finished, pending_prefill
+            )
         return WorkerState(
-            worker_id=rec.worker_id,
-            cached_blocks=cached_blocks,
-            running=running,
-            waiting=waiting,
-            queued_prefill_tokens=queued,
-            prefill_tokens_per_s=rec.prefill_tokens_per_s,
-            inflight=load.inflight,
-            pending=load.pending,
-            held_blocks=self.index.block_count(rec.worker_id),
-            capacity_blocks=rec.num_blocks,
+            rec.worker_id,
+            cached_blocks,
+            running,
+            waiting,
+            queued,
+            rec.prefill_tokens_per_s,
+            inflight,
+            pending,
+            self.index.block_count(rec.worker_id),
+            rec.num_blocks,
         )
 
     # -- routing: candidates -> hash -> look up -> choose ---------------------------
@@ -251,16 +266,23 @@ class Dispatcher:
                 code="context_length_exceeded",
             )
         entries = fitting
+        # Workers usually share one spec: hash the prompt once per distinct spec
+        # (memoised by object first: hashing a HashSpec per worker is not free).
         by_spec: dict[HashSpec, list[int]] = {}
+        by_object: dict[int, list[int]] = {}
         chains: dict[str, list[int]] = {}
+        salt = job.tenant.cache_salt
         for e in entries:
             if e.spec is None:
                 chains[e.record.worker_id] = []
                 continue
-            spec = e.spec.with_salt(job.tenant.cache_salt)
-            if spec not in by_spec:
-                by_spec[spec] = job.prompt.block_hashes(spec)
-            chains[e.record.worker_id] = by_spec[spec]
+            chain = by_object.get(id(e.spec))
+            if chain is None:
+                spec = e.spec.with_salt(salt)
+                if spec not in by_spec:
+                    by_spec[spec] = job.prompt.block_hashes(spec)
+                chain = by_object[id(e.spec)] = by_spec[spec]
+            chains[e.record.worker_id] = chain
         return Candidates(entries, chains)
 
     def look_up(self, cands: Candidates) -> dict[str, int]:
@@ -315,13 +337,16 @@ class Dispatcher:
             block_size = entry.spec.block_size if entry.spec else 16
             predicted = min(cached.get(wid, 0) * block_size, len(job.prompt_ids))
             now = time.monotonic()
-            self.index.speculate(wid, cands.chains.get(wid, []), now, self.speculative_ttl_s)
+            chain = cands.chains.get(wid, [])
+            self.index.speculate(wid, chain, now, self.speculative_ttl_s)
             self.sessions.put(job.session_key, wid, now)
             load = self.loads.setdefault(wid, GatewayLoad())
             uncached = len(job.prompt_ids) - predicted
             load.inflight += 1
             load.pending += 1
             load.pending_prefill_tokens += uncached
+            if self.replicas is not None:
+                self.replicas.routed(wid, chain, job.session_key)
             generation = job.generation
             if not job.max_tokens_fixed and entry.record.max_model_len > 0:
                 budget = entry.record.max_model_len - len(job.prompt_ids)
@@ -353,6 +378,8 @@ class Dispatcher:
             finally:
                 load.pending -= 1
                 load.pending_prefill_tokens -= uncached
+                if self.replicas is not None:
+                    self.replicas.load_changed()
             self.metrics.requests.labels(wid, reason).inc()
             self.metrics.prompt_tokens.labels(wid).inc(len(job.prompt_ids))
             self.metrics.predicted_cached_tokens.labels(wid).inc(predicted)
@@ -413,6 +440,8 @@ class Dispatcher:
         load = self.loads.setdefault(wid, GatewayLoad())
         load.inflight = max(0, load.inflight - 1)
         load.finished += 1
+        if self.replicas is not None:
+            self.replicas.load_changed()
         self.metrics.e2e_seconds.labels(wid).observe(time.perf_counter() - stream.job.started)
         if cached_tokens is not None:
             self.metrics.cached_tokens.labels(wid).inc(cached_tokens)

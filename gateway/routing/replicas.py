@@ -1,0 +1,254 @@
+"""Gateway replicas that route as one: each tells the others what it sent where.
+
+Replicas share the block index through Redis already (every one mirrors the
+workers' block sets), but three other things lived in one process only:
+
+- in-flight load: requests a gateway sent that a worker's heartbeat does not
+  show yet (bounded load then let each replica pile its own share onto the
+  same worker);
+- speculative entries: the blocks a worker is about to hold because a
+  request was just sent there (a sibling arriving at another replica before
+  the cache events land went elsewhere);
+- sessions: which worker a conversation last used.
+
+So every replica appends to one Redis stream, ``{ns}:routes``:
+
+- a *route* entry per routed request (``w`` worker, ``s`` hashed session key,
+  ``c`` the prompt's block chain as packed little-endian u64): the others
+  speculate the chain on that worker and pin the session there;
+- a *loads* entry (``l``: JSON ``{worker: [inflight, pending, pending prefill
+  tokens]}``, this replica's whole in-flight view) when its counts changed, at
+  most every ``FLUSH_S``, and at least every ``KEEPALIVE_S``. A peer's view
+  replaces its previous one; one not refreshed for ``PEER_TTL_S`` is dropped,
+  so a replica that died stops counting within seconds.
+
+Entries are batched into one pipelined ``XADD`` per flush, and the stream is
+trimmed to ``MAXLEN`` (approximate). A stream rather than pub/sub: it is one
+key (Redis Cluster serves it from one slot) and a reader that blipped resumes
+where it was. Redis being down only loses the sharing: routing goes on from
+the local view, and the loops retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from redis.exceptions import RedisError
+
+from gateway.routing.index import BlockIndex
+from gateway.routing.load import GatewayLoad
+from gateway.routing.sessions import SessionMap
+
+logger = logging.getLogger(__name__)
+
+FLUSH_S = 0.01  # batch what a burst routes into one round trip
+KEEPALIVE_S = 1.0  # a replica's loads go out at least this often, changed or not
+PEER_TTL_S = 3.0  # a peer's loads count this long after its last entry
+MAXLEN = 20_000  # entries kept in the stream (approximately)
+MAX_CHAIN = 2048  # blocks of a chain shared (32k tokens at block size 16)
+_RETRY_S = 1.0
+
+
+@dataclass
+class PeerLoad:
+    """What one other replica has in flight on one worker."""
+
+    inflight: int = 0
+    pending: int = 0
+    pending_prefill_tokens: int = 0
+
+
+class ReplicaSync:
+    """Publishes this replica's routing and applies the other replicas'."""
+
+    def __init__(
+        self,
+        client_factory: Callable[[], Any],
+        stream_key: str,
+        index: BlockIndex,
+        sessions: SessionMap,
+        loads: dict[str, GatewayLoad],
+        *,
+        speculative_ttl_s: float,
+        known_worker: Callable[[str], bool],
+    ) -> None:
+        self.client_factory = client_factory
+        self.stream_key = stream_key
+        self.index = index
+        self.sessions = sessions
+        self.loads = loads  # this replica's own counts (the Dispatcher's)
+        self.speculative_ttl_s = speculative_ttl_s
+        self.known_worker = known_worker
+        self.gateway_id = uuid.uuid4().hex[:12]
+        self._outbox: list[dict[str, bytes | str]] = []
+        self._dirty = False
+        self._wake = asyncio.Event()
+        # peer gateway id -> (monotonic time of its last loads entry, worker id -> load)
+        self._peers: dict[str, tuple[float, dict[str, PeerLoad]]] = {}
+        self._totals: dict[str, PeerLoad] | None = {}
+        self.applied = 0  # peer entries applied (tests, logs)
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> list[asyncio.Task[None]]:
+        """Starts the publishing and following loops (the app owns and cancels them)."""
+        self.tasks = [
+            asyncio.create_task(self.publish_forever(), name="kvroute-replicas-out"),
+            asyncio.create_task(self.follow_forever(), name="kvroute-replicas-in"),
+        ]
+        return self.tasks
+
+    # -- this replica's side ---------------------------------------------------------
+
+    def routed(self, worker_id: str, chain: list[int], session_key: str | None) -> None:
+        """Tells the others that a request (its block chain, its session) went to ``worker_id``."""
+        entry: dict[str, bytes | str] = {"g": self.gateway_id, "w": worker_id}
+        if chain:
+            entry["c"] = np.asarray(chain[:MAX_CHAIN], dtype="<u8").tobytes()
+        if session_key:
+            entry["s"] = session_key
+        self._outbox.append(entry)
+        self.load_changed()
+
+    def load_changed(self) -> None:
+        """This replica's in-flight counts changed: send them with the next flush."""
+        self._dirty = True
+        self._wake.set()
+
+    def _loads_entry(self) -> dict[str, bytes | str]:
+        view = {
+            wid: [load.inflight, load.pending, load.pending_prefill_tokens]
+            for wid, load in self.loads.items()
+            if load.inflight or load.pending
+        }
+        return {"g": self.gateway_id, "l": json.dumps(view, separators=(",", ":"))}
+
+    async def publish_forever(self) -> None:
+        """Flushes routed entries and load changes to the stream, batched."""
+        client = self.client_factory()
+        failing = False
+        last_loads = 0.0
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), KEEPALIVE_S)
+                    await asyncio.sleep(FLUSH_S)
+                except TimeoutError:
+                    pass
+                self._wake.clear()
+                batch, self._outbox = self._outbox, []
+                now = time.monotonic()
+                if self._dirty or now - last_loads >= KEEPALIVE_S:
+                    self._dirty = False
+                    batch.append(self._loads_entry())
+                    last_loads = now
+                try:
+                    pipe = client.pipeline(transaction=False)
+                    for entry in batch:
+                        pipe.xadd(self.stream_key, entry, maxlen=MAXLEN, approximate=True)
+                    await pipe.execute()
+                    if failing:
+                        logger.info("replica sync: publishing again")
+                    failing = False
+                except (RedisError, OSError) as exc:
+                    # Lost entries only cost sharing; the next loads entry repairs the counts.
+                    if not failing:
+                        logger.warning("replica sync: cannot publish (%s); routing alone", exc)
+                    failing = True
+                    self._dirty = True
+                    await asyncio.sleep(_RETRY_S)
+        finally:
+            await _close(client)
+
+    # -- the other replicas' side -----------------------------------------------------
+
+    def peer_load(self, worker_id: str) -> PeerLoad | None:
+        """The other replicas' live in-flight counts on ``worker_id`` (None: none)."""
+        if self._totals is None:
+            self._totals = self._sum_peers(time.monotonic())
+        return self._totals.get(worker_id)
+
+    def _sum_peers(self, now: float) -> dict[str, PeerLoad]:
+        totals: dict[str, PeerLoad] = {}
+        for gid in [g for g, (at, _) in self._peers.items() if now - at > PEER_TTL_S]:
+            del self._peers[gid]
+        for _, view in self._peers.values():
+            for wid, p in view.items():
+                t = totals.setdefault(wid, PeerLoad())
+                t.inflight += p.inflight
+                t.pending += p.pending
+                t.pending_prefill_tokens += p.pending_prefill_tokens
+        return totals
+
+    def apply(self, fields: dict[bytes, bytes], now: float) -> None:
+        """Applies one stream entry written by any replica (its own are skipped)."""
+        gid = fields.get(b"g", b"").decode()
+        if not gid or gid == self.gateway_id:
+            return
+        self.applied += 1
+        raw_loads = fields.get(b"l")
+        if raw_loads is not None:
+            view = {
+                wid: PeerLoad(int(v[0]), int(v[1]), int(v[2]))
+                for wid, v in json.loads(raw_loads).items()
+            }
+            self._peers[gid] = (now, view)
+            self._totals = None
+            return
+        wid = fields.get(b"w", b"").decode()
+        if not self.known_worker(wid):
+            return
+        chain = fields.get(b"c")
+        if chain:
+            hashes = np.frombuffer(chain, dtype="<u8").tolist()
+            self.index.speculate(wid, hashes, now, self.speculative_ttl_s)
+        session = fields.get(b"s")
+        if session:
+            self.sessions.put(session.decode(), wid, now)
+
+    async def follow_forever(self) -> None:
+        """Reads the stream from now on and applies the other replicas' entries."""
+        client = self.client_factory()
+        last = "$"
+        failing = False
+        try:
+            while True:
+                try:
+                    reply = await client.xread(
+                        {self.stream_key: last}, count=1000, block=int(KEEPALIVE_S * 1000)
+                    )
+                    if failing:
+                        logger.info("replica sync: following again")
+                    failing = False
+                except (RedisError, OSError) as exc:
+                    if not failing:
+                        logger.warning("replica sync: cannot read peers (%s)", exc)
+                    failing = True
+                    await asyncio.sleep(_RETRY_S)
+                    continue
+                now = time.monotonic()
+                for _, entries in reply or []:
+                    for entry_id, fields in entries:
+                        last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                        try:
+                            self.apply(fields, now)
+                        except (ValueError, KeyError, TypeError, IndexError) as exc:
+                            logger.warning("replica sync: skipped a malformed entry (%s)", exc)
+                # Peers' views age out even when nothing arrives.
+                self._totals = None
+        finally:
+            await _close(client)
+
+
+async def _close(client: Any) -> None:
+    close = getattr(client, "aclose", None) or client.close
+    with contextlib.suppress(RedisError, OSError):
+        await close()

@@ -1,0 +1,110 @@
+"""Gateway replicas act as one: real Redis, three real gateway apps, fake gRPC workers.
+
+The workers publish no cache events here, so what keeps a conversation
+together across replicas is only what the replicas share through
+``{ns}:routes``: sessions and speculative entries; and what one replica knows
+of another's in-flight requests is only their loads entries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from functools import partial
+from typing import Any
+
+from gateway.routing.replicas import PEER_TTL_S
+from tests.gateway.conftest import Harness, MakeGateway
+from tests.gateway.helpers import eventually, namespace
+
+
+async def _replicas(make_gateway: MakeGateway, n: int, **overrides: Any) -> list[Harness]:
+    ns = namespace()
+    return [await make_gateway(redis_namespace=ns, **overrides) for _ in range(n)]
+
+
+async def _fleet(gateways: list[Harness], workers: int, **fake: Any) -> None:
+    first = gateways[0]
+    for i in range(workers):
+        await first.add_worker(f"w{i}", **fake)
+    for g in gateways[1:]:
+        await eventually(partial(_has_workers, g, workers), what="fleet")
+
+
+def _has_workers(g: Harness, n: int) -> bool:
+    return len(g.state.mirror.workers) == n
+
+
+async def _turns(gateways: list[Harness], conversations: int, turns: int) -> dict[str, list[str]]:
+    """Each conversation's turns round-robin over the replicas; the worker of every turn."""
+    seen: dict[str, list[str]] = {f"c{c}": [] for c in range(conversations)}
+    for t in range(turns):
+        for c, conv in enumerate(seen):
+            g = gateways[(c + t) % len(gateways)]
+            # Its own system prompt, so conversations share no prefix: nothing but
+            # what the replicas share ties a turn to the worker of the one before.
+            system = {"role": "system", "content": f"{conv}: a helpful assistant"}
+            history = [{"role": "user", "content": f"{conv} turn {k} " * 6} for k in range(t + 1)]
+            resp = await g.chat([system, *history], user=conv)
+            assert resp.status == 200, await resp.text()
+            seen[conv].append(resp.headers["x-kvroute-worker"])
+        await asyncio.sleep(0.15)  # think time: the turn's entry reaches the other replicas
+    return seen
+
+
+async def test_a_conversation_keeps_its_worker_across_replicas(
+    make_gateway: MakeGateway,
+) -> None:
+    gateways = await _replicas(make_gateway, 3)
+    await _fleet(gateways, 4)
+    seen = await _turns(gateways, conversations=8, turns=4)
+    moved = {conv: ws for conv, ws in seen.items() if len(set(ws)) > 1}
+    assert not moved, f"turns changed worker across replicas: {moved}"
+    assert len({ws[0] for ws in seen.values()}) >= 3, f"conversations did not spread: {seen}"
+    assert all(g.state.dispatcher.replicas.applied > 0 for g in gateways)  # type: ignore[union-attr]
+
+
+async def test_without_sync_the_replicas_do_not_share_sessions(make_gateway: MakeGateway) -> None:
+    gateways = await _replicas(make_gateway, 3, replica_sync=False)
+    await _fleet(gateways, 4)
+    seen = await _turns(gateways, conversations=8, turns=4)
+    # Each replica balances alone, so a conversation's turns land on other workers.
+    assert any(len(set(ws)) > 1 for ws in seen.values()), seen
+    assert all(g.state.dispatcher.replicas is None for g in gateways)
+
+
+async def test_in_flight_load_is_seen_by_the_other_replicas_and_ages_out(
+    make_gateway: MakeGateway,
+) -> None:
+    a, b = await _replicas(make_gateway, 2)
+    await _fleet([a, b], 1, reply="one two three four five six", delay_s=0.4)
+    entry = b.state.mirror.workers["w0"]
+    assert b.state.dispatcher.state(entry, 0).inflight == 0
+    request = asyncio.create_task(a.chat([{"role": "user", "content": "slow"}]))
+    await eventually(lambda: b.state.dispatcher.state(entry, 0).pending == 1, what="peer pending")
+    await eventually(
+        lambda: (
+            b.state.dispatcher.state(entry, 0).inflight == 1
+            and b.state.dispatcher.state(entry, 0).pending == 0
+        ),
+        what="peer in flight, first token out",
+    )
+    resp = await request
+    assert resp.status == 200
+    await eventually(lambda: b.state.dispatcher.state(entry, 0).inflight == 0, what="done")
+
+    # A replica that dies with requests in flight stops counting within PEER_TTL_S.
+    hung = asyncio.create_task(a.chat([{"role": "user", "content": "slow again"}]))
+    await eventually(lambda: b.state.dispatcher.state(entry, 0).inflight == 1, what="in flight")
+    replicas = a.state.dispatcher.replicas
+    assert replicas is not None
+    for task in replicas.tasks:  # a crash: no last word to the others
+        task.cancel()
+    started = time.monotonic()
+    await eventually(
+        lambda: b.state.dispatcher.state(entry, 0).inflight == 0,
+        what="dead peer aged out",
+        timeout=PEER_TTL_S + 3,
+    )
+    assert time.monotonic() - started >= PEER_TTL_S - 1.5
+    hung.cancel()
