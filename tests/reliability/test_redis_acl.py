@@ -127,6 +127,7 @@ def test_rogue_writes_as_the_gateway_user_are_refused(
         with pytest.raises(redis.exceptions.NoPermissionError):
             write()
     assert gw.hgetall(LAYOUT.worker(real))  # reading is what it may do
+    assert gw.xadd(LAYOUT.routes, {"g": "probe"})  # ... and telling its peers what it routed
     admin = _client(acl_redis, "default")
     assert not admin.exists(LAYOUT.worker("rogue"))
     assert admin.smembers(LAYOUT.workers) == {real.encode()}
