@@ -5,7 +5,8 @@ chat requests at ``--concurrency``, each prompt a shared prefix plus a unique
 part, short outputs) and ``Target`` the fleet as a client sees it. A runner
 (``RUNNERS``: aiperf, inference-perf, guidellm) installs its client's venv on
 first use, runs it and returns its exit status and report counts;
-``client_entry`` turns that into the client's JSON entry.
+``inference_perf_config`` is that workload as inference-perf's config;
+``client_entry`` turns a run into the client's JSON entry.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from loadtest import aiperf_client, check_guidellm
 from loadtest.inference_perf_client import (
     INFERENCE_PERF_VERSION,
     ensure_inference_perf,
-    inference_perf_config,
     inference_perf_counts,
 )
 
@@ -58,6 +58,37 @@ class Target:
     url: str
     model: str  # the served name
     tokenizer: str  # the local model folder
+
+
+def inference_perf_config(cfg: SmokeConfig, target: Target, report_dir: Path) -> dict[str, Any]:
+    """inference-perf's YAML config (as a dict): shared-prefix prompts, a concurrent stage."""
+    return {
+        "api": {"type": "chat", "streaming": True},
+        "server": {
+            "type": "vllm",
+            "model_name": target.model,
+            "base_url": target.url,
+            "ignore_eos": True,
+        },
+        "tokenizer": {"pretrained_model_name_or_path": target.tokenizer},
+        "data": {
+            "type": "shared_prefix",
+            "shared_prefix": {
+                "num_groups": 1,
+                "num_prompts_per_group": cfg.requests,
+                "system_prompt_len": cfg.prefix_tokens,
+                "question_len": cfg.prompt_tokens,
+                "output_len": cfg.output_tokens,
+                "seed": 0,
+            },
+        },
+        "load": {
+            "type": "concurrent",
+            "num_workers": 1,
+            "stages": [{"num_requests": cfg.requests, "concurrency_level": cfg.concurrency}],
+        },
+        "storage": {"local_storage": {"path": str(report_dir)}},
+    }
 
 
 def _run(cmd: list[str], log: Path, env: dict[str, str], timeout_s: float) -> int:
@@ -107,19 +138,8 @@ def run_inference_perf(cfg: SmokeConfig, target: Target, out: Path) -> dict[str,
     report_dir = out / "report"
     config = out / "config.yml"
     out.mkdir(parents=True, exist_ok=True)
-    settings = inference_perf_config(
-        model=target.model,
-        url=target.url,
-        tokenizer=target.tokenizer,
-        requests=cfg.requests,
-        concurrency=cfg.concurrency,
-        prefix_tokens=cfg.prefix_tokens,
-        prompt_tokens=cfg.prompt_tokens,
-        output_tokens=cfg.output_tokens,
-        report_dir=report_dir,
-    )
     # JSON is YAML; inference-perf reads it with yaml.safe_load.
-    config.write_text(json.dumps(settings, indent=2))
+    config.write_text(json.dumps(inference_perf_config(cfg, target, report_dir), indent=2))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     rc = _run(
         [str(binary), "-c", str(config)], out / "inference-perf.log", env, cfg.client_timeout_s

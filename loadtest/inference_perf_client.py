@@ -1,10 +1,10 @@
-"""inference-perf as a third-party load client: its own venv, its config, its report.
+"""inference-perf as a third-party load client: its own venv and its report.
 
 inference-perf (PyPI ``inference-perf``) lives in ``.venv-inference-perf``,
-installed on first use, never in the project's venv. ``inference_perf_config``
-is its YAML config (as a dict) for a short closed-loop run of shared-prefix
-chat prompts, as ``loadtest.clients_smoke`` runs it; ``inference_perf_counts``
-reads the successes and failures from its ``summary_lifecycle_metrics.json``.
+installed on first use, never in the project's venv; it declares Python >= 3.12
+(``python_312`` finds one, else a 3.11 venv takes the unchanged wheel).
+``inference_perf_counts`` reads the successes and failures from its
+``summary_lifecycle_metrics.json``.
 """
 
 from __future__ import annotations
@@ -79,45 +79,3 @@ def ensure_inference_perf(venv: Path) -> tuple[Path, str]:
         subprocess.run([*pip, *[d for d in deps if d.strip()]], check=True, timeout=1800)
     done.write_text(note + "\n")  # only now: a half-installed venv is installed again
     return exe, note
-
-
-def inference_perf_config(
-    *,
-    model: str,
-    url: str,
-    tokenizer: str,
-    requests: int,
-    concurrency: int,
-    prefix_tokens: int,
-    prompt_tokens: int,
-    output_tokens: int,
-    report_dir: Path,
-) -> dict[str, Any]:
-    """inference-perf's YAML config (as a dict): shared-prefix prompts, a concurrent stage."""
-    return {
-        "api": {"type": "chat", "streaming": True},
-        "server": {
-            "type": "vllm",
-            "model_name": model,
-            "base_url": url,
-            "ignore_eos": True,
-        },
-        "tokenizer": {"pretrained_model_name_or_path": tokenizer},
-        "data": {
-            "type": "shared_prefix",
-            "shared_prefix": {
-                "num_groups": 1,
-                "num_prompts_per_group": requests,
-                "system_prompt_len": prefix_tokens,
-                "question_len": prompt_tokens,
-                "output_len": output_tokens,
-                "seed": 0,
-            },
-        },
-        "load": {
-            "type": "concurrent",
-            "num_workers": 1,
-            "stages": [{"num_requests": requests, "concurrency_level": concurrency}],
-        },
-        "storage": {"local_storage": {"path": str(report_dir)}},
-    }

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from loadtest.aiperf_client import aiperf_counts, synthetic_command
 from loadtest.check_guidellm import guidellm_command, guidellm_counts
-from loadtest.client_runs import SmokeConfig, Target, client_entry
+from loadtest.client_runs import SmokeConfig, Target, client_entry, inference_perf_config
 from loadtest.clients_smoke import assemble, hit_rate, token_counters
-from loadtest.inference_perf_client import inference_perf_config, inference_perf_counts
+from loadtest.inference_perf_client import inference_perf_counts
 
 METRICS = """\
 # HELP kvroute_gateway_prompt_tokens_total Prompt tokens routed
@@ -79,17 +79,7 @@ def test_target_met_needs_every_client_ran_with_no_errors() -> None:
 def test_client_commands_carry_the_workload(tmp_path: Path) -> None:
     cfg = SmokeConfig(requests=12, concurrency=3, prefix_tokens=64, prompt_tokens=48)
     target = Target("http://127.0.0.1:9", "SmolLM2-135M-Instruct", "/models/smol")
-    ip = inference_perf_config(
-        model=target.model,
-        url=target.url,
-        tokenizer=target.tokenizer,
-        requests=cfg.requests,
-        concurrency=cfg.concurrency,
-        prefix_tokens=cfg.prefix_tokens,
-        prompt_tokens=cfg.prompt_tokens,
-        output_tokens=cfg.output_tokens,
-        report_dir=tmp_path,
-    )
+    ip = inference_perf_config(cfg, target, tmp_path)
     assert ip["load"]["stages"] == [{"num_requests": 12, "concurrency_level": 3}]
     assert ip["data"]["shared_prefix"]["system_prompt_len"] == 64
     assert ip["server"]["base_url"] == target.url
