@@ -1,21 +1,21 @@
-"""Bad input at both edges: generated HTTP requests against the gateway's own OpenAPI
-description (schemathesis) and property-based bodies (hypothesis), plus malformed gRPC
-requests straight to a worker.
+"""Bad input at the gateway's HTTP edge: generated HTTP requests against the gateway's own
+OpenAPI description (schemathesis) and property-based bodies (hypothesis), hostile text and
+header bytes, and slow clients. Malformed gRPC straight to a worker is
+``test_bad_grpc_input``.
 
 The invariants: no 5xx from the gateway for anything a client sends, every error an
 OpenAI-shaped JSON body, oversized bodies refused with 413 before they are parsed,
-prompt + max_tokens past the context refused with 400, and a worker answering any bad
-gRPC request with INVALID_ARGUMENT while its engine keeps running.
+prompt + max_tokens past the context refused with 400, and the worker behind it still
+serving at the end.
 
-The worker runs with ``--max-model-len 96`` so generated requests that are valid stay
-cheap (at most 96 tokens); the whole module sends about ``TOTAL_REQUESTS`` requests,
-sized so it stays inside the suite's time budget on two cores.
+The worker runs with ``--max-model-len 96`` (``bad_input_kit``) so generated requests that
+are valid stay cheap; the whole module sends about ``TOTAL_REQUESTS`` requests, sized so
+it stays inside the suite's time budget on two cores.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 import socket
 import time
@@ -23,23 +23,27 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import hypothesis.strategies as st
 import pytest
 import requests
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 
-from contract import worker_pb2 as pb
 from contract import worker_pb2_grpc
-from loadtest.fleet import Fleet, FleetConfig
+from loadtest.fleet import Fleet
+from tests.reliability.bad_input_kit import (
+    CLIENT_TIMEOUT_S,
+    FAST,
+    MAX_BODY,
+    MAX_MODEL_LEN,
+    fleet_config,
+    generate,
+    worker_stub,
+)
 from tests.reliability.fleetkit import call, is_openai_error, model_name
 
 pytestmark = pytest.mark.slow
 
-MAX_MODEL_LEN = 96
-MAX_BODY = 64 * 1024
-CLIENT_TIMEOUT_S = 2.0  # the gateway's idle/header and body timeouts here
 # Measured on 2 busy cores: schemathesis ~25-60 requests/s (case generation dominates; valid
 # chats that generate tokens ~10/s), the hypothesis bodies ~130/s: the module sends its
 # 10,000 requests in about 2 minutes, most of them from the hypothesis bodies.
@@ -47,38 +51,14 @@ TOTAL_REQUESTS = 10_000  # including HOSTILE_EXAMPLES
 SCHEMA_EXAMPLES = {"positive": 120, "negative": 400}  # per POST operation
 BODY_EXAMPLES = 4_600  # per endpoint for the hypothesis bodies below
 _RESPONSES = re.compile(r'^kvroute_gateway_responses_total\{code="(\d+)"\}\s+(\S+)$', re.M)
-_FAST = settings(
-    deadline=None,
-    database=None,
-    derandomize=True,
-    suppress_health_check=list(HealthCheck),
-)
 
 
 @pytest.fixture(scope="module")
 def fleet(
     tiny_llama: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Fleet]:
-    config = FleetConfig(
-        model=str(tiny_llama),
-        workers=1,
-        redis_url=redis_url,
-        namespace="kvbadinput",
-        num_blocks=256,
-        worker_args=("--max-model-len", str(MAX_MODEL_LEN), "--log-level", "WARNING"),
-        gateway_args=(
-            "--max-body-bytes",
-            str(MAX_BODY),
-            "--log-level",
-            "warning",
-            "--client-idle-timeout",
-            str(CLIENT_TIMEOUT_S),
-            "--client-body-timeout",
-            str(CLIENT_TIMEOUT_S),
-        ),
-        log_dir=str(tmp_path_factory.mktemp("bad-input-logs")),
-    )
-    with Fleet(config) as f:
+    log_dir = str(tmp_path_factory.mktemp("bad-input-logs"))
+    with Fleet(fleet_config(tiny_llama, redis_url, "kvbadinput", log_dir)) as f:
         yield f
 
 
@@ -88,7 +68,7 @@ def http() -> Iterator[requests.Session]:
         yield session
 
 
-def _check(resp: requests.Response | Any, what: object) -> None:
+def check_response(resp: requests.Response | Any, what: object) -> None:
     """The gateway invariants for any response to anything a client may send."""
     assert resp.status_code < 500, (resp.status_code, resp.text[:300], what)
     if resp.status_code >= 400:
@@ -148,7 +128,7 @@ def test_out_of_range_sampling_values_are_400(fleet: Fleet, http: requests.Sessi
     base = {"model": model, "prompt": [1, 2, 3], "max_tokens": 2}
     for extra in ({"top_k": 2**40}, {"top_k": 2**32}, {"temperature": 1e-40}, {"seed": 2**70}):
         resp = http.post(fleet.gateway_url + "/v1/completions", json=base | extra, timeout=30)
-        _check(resp, extra)
+        check_response(resp, extra)
 
 
 # -- schemathesis: every operation of /openapi.json -------------------------------------------
@@ -165,13 +145,13 @@ def test_schemathesis_generated_requests(fleet: Fleet, http: requests.Session) -
         for mode, examples in modes.items():
             strategy = operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode))
 
-            @settings(_FAST, max_examples=examples)
+            @settings(FAST, max_examples=examples)
             @given(case=strategy)
             def check(case: schemathesis.Case) -> None:
                 nonlocal sent
                 resp = case.call(base_url=fleet.gateway_url, session=http, timeout=30)
                 sent += 1
-                _check(resp, (case.method, case.path, case.body, case.headers))
+                check_response(resp, (case.method, case.path, case.body, case.headers))
 
             check()
     assert sent >= sum(SCHEMA_EXAMPLES.values())
@@ -236,13 +216,13 @@ def test_hypothesis_bodies(fleet: Fleet, http: requests.Session, path: str) -> N
         {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
     )
 
-    @settings(_FAST, max_examples=BODY_EXAMPLES)
+    @settings(FAST, max_examples=BODY_EXAMPLES)
     @given(changes=_mutations(), whole=st.booleans(), junk=_JSON)
     def check(changes: dict[str, Any], whole: bool, junk: Any) -> None:
         body: Any = junk if not whole and not changes else base | changes
         resp = http.post(fleet.gateway_url + path, data=json.dumps(body), timeout=30,
                          headers={"Content-Type": "application/json"})  # fmt: skip
-        _check(resp, body)
+        check_response(resp, body)
         if resp.status_code == 200 and body.get("stream") is True:
             assert resp.text.rstrip().endswith("data: [DONE]")
 
@@ -272,7 +252,7 @@ def _nested(depth: int, kind: str) -> bytes:
     )
 
 
-@settings(_FAST, max_examples=HOSTILE_EXAMPLES)
+@settings(FAST, max_examples=HOSTILE_EXAMPLES)
 @given(
     text=_HOSTILE_TEXT,
     where=st.sampled_from(["content", "prompt", "stop", "user", "role"]),
@@ -309,7 +289,7 @@ def test_hostile_text_nesting_and_header_bytes(
     if header is not None:
         headers[header_name] = (b"Bearer " if header_name == "Authorization" else b"") + header
     resp = http.post(fleet.gateway_url + path, data=raw, headers=headers, timeout=30)
-    _check(resp, (where, text, depth, kind, header))
+    check_response(resp, (where, text, depth, kind, header))
 
 
 # -- slow clients (slowloris) ------------------------------------------------------------------
@@ -359,77 +339,10 @@ def test_slow_clients_are_cut_off(fleet: Fleet, stage: str) -> None:
         assert reply == b"", reply[:80]
 
 
-# -- gRPC straight to the worker ---------------------------------------------------------------
-
-
-def _generate(stub: worker_pb2_grpc.WorkerStub, prompt: list[int], **sampling: Any) -> str:
-    """The status name of one Generate call, read to the end ("OK" when it finished)."""
-    request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(**sampling))
-    try:
-        responses = list(stub.Generate(request, timeout=30))
-    except grpc.RpcError as exc:
-        return exc.code().name
-    assert responses and responses[-1].finished
-    return "OK"
-
-
 @pytest.fixture(scope="module")
 def stub(fleet: Fleet) -> Iterator[worker_pb2_grpc.WorkerStub]:
-    with grpc.insecure_channel(f"127.0.0.1:{fleet.workers[0].grpc_port}") as channel:
-        yield worker_pb2_grpc.WorkerStub(channel)
-
-
-def test_grpc_invalid_requests(stub: worker_pb2_grpc.WorkerStub) -> None:
-    assert stub.Health(pb.HealthRequest(), timeout=10).serving
-    bad: list[tuple[list[int], dict[str, Any]]] = [
-        ([], {"max_tokens": 2}),
-        ([10**9], {"max_tokens": 2}),
-        ([2**32 - 1], {"max_tokens": 2}),
-        ([1] * (MAX_MODEL_LEN + 1), {"max_tokens": 1}),
-        ([1, 2], {"max_tokens": MAX_MODEL_LEN}),
-        ([1, 2], {"max_tokens": 2, "temperature": math.nan}),
-        ([1, 2], {"max_tokens": 2, "temperature": math.inf}),
-        ([1, 2], {"max_tokens": 2, "temperature": -1.0}),
-        ([1, 2], {"max_tokens": 2, "top_p": math.inf}),
-        ([1, 2], {"max_tokens": 2, "top_p": 1.5}),
-        ([1, 2], {"max_tokens": 2, "stop_token_ids": [10**9]}),
-    ]
-    for prompt, sampling in bad:
-        assert _generate(stub, prompt, **sampling) == "INVALID_ARGUMENT", (prompt[:3], sampling)
-    assert _generate(stub, [1, 2, 3], max_tokens=3) == "OK"
-    assert stub.Health(pb.HealthRequest(), timeout=10).serving
-
-
-@settings(_FAST, max_examples=300)
-@given(
-    prompt=st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=8),
-    max_tokens=st.integers(min_value=0, max_value=2**32 - 1),
-    temperature=st.floats(width=32),
-    top_p=st.floats(width=32),
-    top_k=st.integers(min_value=0, max_value=2**32 - 1),
-    seed=st.one_of(st.none(), st.integers(min_value=0, max_value=2**64 - 1)),
-)
-def test_grpc_sampling_property(
-    stub: worker_pb2_grpc.WorkerStub,
-    prompt: list[int],
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    seed: int | None,
-) -> None:
-    """Any wire values: the call finishes or is INVALID_ARGUMENT, and the engine lives on."""
-    sampling: dict[str, Any] = {
-        "max_tokens": min(max_tokens, 4) if max_tokens % 3 else max_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-    }
-    if seed is not None:
-        sampling["seed"] = seed
-    outcome = _generate(stub, prompt, **sampling)
-    assert outcome in ("OK", "INVALID_ARGUMENT"), (outcome, prompt, sampling)
-    assert _generate(stub, [1, 2, 3], max_tokens=2) == "OK", (prompt, sampling)
+    with worker_stub(fleet) as s:
+        yield s
 
 
 def test_total_requests_and_engine_alive(
@@ -441,4 +354,4 @@ def test_total_requests_and_engine_alive(
     sent = {c: v - baseline.get(c, 0.0) for c, v in now.items() if v > baseline.get(c, 0.0)}
     assert not {c: v for c, v in sent.items() if c >= 500}, sent
     assert sum(sent.values()) >= TOTAL_REQUESTS, sent
-    assert _generate(stub, [4, 5, 6], max_tokens=2) == "OK"
+    assert generate(stub, [4, 5, 6], max_tokens=2) == "OK"
