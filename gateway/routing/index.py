@@ -30,17 +30,12 @@ Not thread-safe: it lives on the gateway's event loop.
 
 from __future__ import annotations
 
-import heapq
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from gateway.routing.hash_table import (
     EMPTY,
     MAX_LOAD,
-    MIN_CAP,
     SHARD_BITS,
     SHARD_MASK,
     SHARDS,
@@ -48,6 +43,8 @@ from gateway.routing.hash_table import (
     TOMB,
     Shard,
 )
+from gateway.routing.index_upkeep import IndexUpkeep
+from gateway.routing.speculation import Speculation
 
 
 @dataclass(frozen=True)
@@ -86,7 +83,7 @@ class StagedSet:
             self.index._abort(self)
 
 
-class BlockIndex:
+class BlockIndex(IndexUpkeep):
     """Block hashes per worker, real and speculative."""
 
     def __init__(self, max_entries: int = 0) -> None:
@@ -107,11 +104,8 @@ class BlockIndex:
         self._entries = 0
         self._evictions = 0
         self._tick = 1
-        # Speculation: hash -> {worker: expiry}; a heap of (expiry, n, worker, hashes).
-        self._spec: dict[int, dict[str, float]] = {}
-        self._spec_heap: list[tuple[float, int, str, tuple[int, ...]]] = []
-        self._spec_n = 0
-        self._spec_pairs = 0
+        self._stagings = 0  # stage() calls so far (a unique name per staged ordinal)
+        self._spec = Speculation()
 
     # -- ordinals ------------------------------------------------------------------
 
@@ -247,7 +241,8 @@ class BlockIndex:
         never stalls the loop, and routing keeps the worker's old blocks until
         the new ones are complete.
         """
-        o = self._ordinal(f"\0staging:{worker_id}:{self._spec_n}:{len(self._names)}")
+        o = self._ordinal(f"\0staging:{worker_id}:{self._stagings}")
+        self._stagings += 1
         self._live_bits &= ~(1 << o)
         self._staging_bits |= 1 << o
         return StagedSet(self, worker_id, o)
@@ -271,60 +266,18 @@ class BlockIndex:
         """Forgets ``worker_id`` entirely, speculative entries included (it died)."""
         self._retire(worker_id)
         self._known.discard(worker_id)
-        # Its speculative entries stay in the heap until they expire, but lookups
-        # skip workers without an ordinal, and a worker re-added later starts clean.
-        for _, _, w, hashes in self._spec_heap:
-            if w == worker_id:
-                for h in hashes:
-                    ws = self._spec.get(h)
-                    if ws is not None and ws.pop(worker_id, None) is not None:
-                        self._spec_pairs -= 1
-                        if not ws:
-                            del self._spec[h]
+        # Its speculative entries go too; a worker re-added later starts clean.
+        self._spec.drop_worker(worker_id)
 
     # -- speculative entries -----------------------------------------------------
 
     def speculate(self, worker_id: str, hashes: Sequence[int], now: float, ttl: float) -> None:
         """Assumes ``worker_id`` holds ``hashes`` until ``now + ttl`` (monotonic seconds)."""
-        if ttl <= 0 or not hashes:
-            return
-        expiry = now + ttl
-        spec = self._spec
-        for h in hashes:
-            ws = spec.get(h)
-            if ws is None:
-                spec[h] = {worker_id: expiry}
-                self._spec_pairs += 1
-            else:
-                if worker_id not in ws:
-                    self._spec_pairs += 1
-                ws[worker_id] = expiry
-        self._spec_n += 1
-        heapq.heappush(self._spec_heap, (expiry, self._spec_n, worker_id, tuple(hashes)))
+        self._spec.add(worker_id, hashes, now, ttl)
 
     def prune(self, now: float, limit: int = 0) -> int:
-        """Drops expired speculative entries; returns how many went. O(expired).
-
-        ``limit`` > 0 stops after about that many (a whole routing's chain at a
-        time), so a caller on the event loop can yield between calls; lookups
-        ignore expired entries either way.
-        """
-        gone = 0
-        heap, spec = self._spec_heap, self._spec
-        while heap and heap[0][0] <= now and not (limit and gone >= limit):
-            _, _, w, hashes = heapq.heappop(heap)
-            for h in hashes:
-                ws = spec.get(h)
-                if ws is None:
-                    continue
-                exp = ws.get(w)
-                if exp is not None and exp <= now:
-                    del ws[w]
-                    gone += 1
-                    if not ws:
-                        del spec[h]
-        self._spec_pairs -= gone
-        return gone
+        """Drops expired speculative entries (``Speculation.prune``); returns how many went."""
+        return self._spec.prune(now, limit)
 
     # -- queries -----------------------------------------------------------------
 
@@ -338,7 +291,7 @@ class BlockIndex:
         if not hashes:
             return result
         names, shards, ords = self._names, self._shards, self._ord
-        spec = self._spec if now is not None else None
+        spec = self._spec.by_hash if now is not None else None
         self._tick = tick = (self._tick + 1) & 0xFFFFFFFF
         alive = -1
         for n, h in enumerate(hashes):
@@ -407,106 +360,20 @@ class BlockIndex:
         return sorted(self._known)
 
     def speculative_count(self) -> int:
-        return self._spec_pairs
+        return self._spec.pairs
 
     def stats(self) -> IndexStats:
         """Entry counts and estimated bytes (tables + shared bitsets + speculation)."""
         table = sum(s.nbytes() for s in self._shards)
         shared = sum(len(s.shared) for s in self._shards)
         width = max(1, len(self._names)) // 8 + 40
-        spec_bytes = len(self._spec) * 300 + len(self._spec_heap) * 120
+        spec_bytes = self._spec.nbytes()
         return IndexStats(
             entries=self._entries,
             hashes=sum(s.live for s in self._shards),
             shared_hashes=shared,
-            speculative=self._spec_pairs,
+            speculative=self._spec.pairs,
             bytes=table + shared * (width + 100) + spec_bytes,
             evictions=self._evictions,
             dead_ordinals=len(self._dead),
         )
-
-    # -- upkeep ----------------------------------------------------------------------
-
-    def maintain(self, max_shards: int = 64, budget_s: float = 0.01) -> bool:
-        """Sweeps dead ordinals out of up to ``max_shards`` shards; True while work remains.
-
-        Stops early once ``budget_s`` of time is spent (at 10^8 entries a shard
-        takes ~2 ms), so a call on the event loop stays short. An ordinal
-        becomes reusable once a whole pass has run after its death, so no slot
-        can still name it.
-        """
-        if not self._dead and not self._sweeping:
-            return False
-        if self._sweep_at == 0 and not self._sweeping:
-            self._sweeping = set(self._dead)
-        dead = np.fromiter(self._sweeping, dtype=np.int32, count=len(self._sweeping))
-        dead_bits = sum(1 << o for o in self._sweeping)
-        stop = min(SHARDS, self._sweep_at + max_shards)
-        deadline = time.perf_counter() + budget_s
-        for s in range(self._sweep_at, stop):
-            if s > self._sweep_at and time.perf_counter() > deadline:
-                stop = s
-                break
-            shard = self._shards[s]
-            vals = np.asarray(shard.vals)
-            hit = np.isin(vals, dead)
-            n = int(hit.sum())
-            if n:
-                vals[hit] = TOMB
-                shard.live -= n
-            for h, bits in list(shard.shared.items()):
-                if bits & dead_bits:
-                    self._set_bits(shard, shard.find(h), h, bits & ~dead_bits)
-            if shard.used > 2 * shard.live + MIN_CAP:
-                shard.rebuild(None)
-        self._sweep_at = stop
-        if stop == SHARDS:
-            self._sweep_at = 0
-            self._dead -= self._sweeping
-            self._free.extend(self._sweeping)
-            self._sweeping = set()
-        return bool(self._dead or self._sweeping)
-
-    def _dead_array(self) -> np.ndarray | None:
-        if not self._dead:
-            return None
-        return np.fromiter(self._dead, dtype=np.int32, count=len(self._dead))
-
-    def _live_mask(self) -> int:
-        return self._live_bits
-
-    def _evict(self, shard: Shard) -> None:
-        """Drops the least recently looked-up eighth of ``shard``'s entries."""
-        vals = np.asarray(shard.vals)
-        if shard.ticks is None:
-            return
-        ticks = np.asarray(shard.ticks)
-        slots = np.flatnonzero((vals >= 0) | (vals == SHARED))
-        if not slots.size:
-            return
-        n = max(1, slots.size // 8)
-        # Ages relative to now survive the u32 tick wrapping.
-        age = (np.uint32(self._tick) - ticks[slots]).astype(np.uint32)
-        victims = slots[np.argpartition(-age.astype(np.int64), n - 1)[:n]]
-        keys = np.asarray(shard.keys)
-        gone = 0
-        for i in victims.tolist():
-            v = int(vals[i])
-            if v >= 0:
-                if self._names[v] is not None:
-                    self._counts[v] -= 1
-                    gone += 1
-            else:
-                h = int(keys[i])
-                bits = shard.shared.pop(h) & (self._live_mask() | self._staging_bits)
-                while bits:
-                    low = bits & -bits
-                    o = low.bit_length() - 1
-                    if self._names[o] is not None:
-                        self._counts[o] -= 1
-                        gone += 1
-                    bits ^= low
-            vals[i] = TOMB
-        shard.live -= len(victims)
-        self._entries -= gone
-        self._evictions += gone
