@@ -50,17 +50,9 @@ from typing import Any
 import numpy as np
 import psutil
 
-from contract.hashing import HashSpec
-from contract.redis_layout import WorkerRecord
-from gateway.edge.auth import Tenant
-from gateway.observe.metrics import GatewayMetrics
-from gateway.observe.window_stats import RollingStats
-from gateway.routing.dispatch import Dispatcher, Job
 from gateway.routing.index import BlockIndex
-from gateway.routing.mirror_state import WorkerEntry
 from gateway.routing.router import Router, RouterConfig, RouteRequest, WorkerState
-from gateway.routing.sessions import SessionMap
-from gateway.upstream.base import Generation
+from loadtest.scale_dispatcher import chain_job, fleet_dispatcher
 from loadtest.scale_redis import bench_redis
 
 BLOCK_SIZE = 16
@@ -133,72 +125,6 @@ def _states(ids: list[str], cached: dict[str, int], loads: dict[str, int]) -> li
     ]
 
 
-class _ChainPrompt:
-    """A prompt whose block chain is given (the fleet's hashes are synthetic, not token ids)."""
-
-    def __init__(self, chain: list[int]) -> None:
-        self.chain = chain
-        self.ids = [0] * (len(chain) * BLOCK_SIZE)
-
-    def block_hashes(self, spec: HashSpec) -> list[int]:
-        return self.chain
-
-
-def _dispatcher(index: BlockIndex, ids: list[str], loads: dict[str, int]) -> Dispatcher:
-    """The gateway's own Dispatcher over ``index``, every worker registered and healthy."""
-    spec = HashSpec(block_size=BLOCK_SIZE, model="bench")
-    now = time.time()
-    workers = {
-        w: WorkerEntry(
-            record=WorkerRecord(
-                worker_id=w,
-                address="127.0.0.1:1",
-                model="bench",
-                num_blocks=200_000,
-                max_model_len=32_768,
-                running=loads[w],
-                queued_prefill_tokens=loads[w] * 512,
-                prefill_tokens_per_s=8000.0,
-                updated_at=now,
-            ),
-            spec=spec,
-            loaded=True,
-        )
-        for w in ids
-    }
-    mirror: Any = type("Mirror", (), {"workers": workers, "no_worker_hint": lambda self: ""})()
-    return Dispatcher(
-        mirror=mirror,
-        index=index,
-        router=Router(RouterConfig()),
-        upstreams={},
-        sessions=SessionMap(60.0),
-        metrics=GatewayMetrics(),
-        stats=RollingStats(),
-        speculative_ttl_s=2.0,
-        max_queue_per_worker=0,
-        request_timeout_s=60.0,
-        max_retries=2,
-    )
-
-
-def _job(chain: list[int]) -> Job:
-    prompt: Any = _ChainPrompt(chain)
-    generation = Generation(
-        request_id="bench",
-        prompt_ids=prompt.ids,
-        max_tokens=16,
-        temperature=0.0,
-        top_p=1.0,
-        top_k=0,
-        seed=None,
-        ignore_eos=False,
-        stop_token_ids=(),
-        cache_salt="",
-    )
-    return Job("bench", prompt, generation, Tenant(), session_key=None, started=0.0)
-
-
 def bench_fleet(workers: int, blocks: int, lookups: int, others: int) -> dict[str, Any]:
     """Builds one fleet's index in-process and times lookups and routing."""
     gc.collect()
@@ -226,7 +152,7 @@ def bench_fleet(workers: int, blocks: int, lookups: int, others: int) -> dict[st
     rng = random.Random(1)
     loads = {w: rng.randrange(0, 8) for w in ids}
     least = sorted(ids, key=lambda w: loads[w])[:others]
-    dispatcher = _dispatcher(index, ids, loads)
+    dispatcher = fleet_dispatcher(index, ids, loads)
     hit_ms, all_ms, miss_ms, look_ms, hit_wall_ms, dispatch_ms = [], [], [], [], [], []
     clock = time.thread_time  # CPU of this thread: the machine is shared (see --help)
     for n in range(lookups):
@@ -249,7 +175,7 @@ def bench_fleet(workers: int, blocks: int, lookups: int, others: int) -> dict[st
             cached = index.longest_prefix(chain, time.monotonic())
             router.choose(req, _states(ids, cached, loads))
             all_ms.append((clock() - t0) * 1e3)
-        job = _job(chain)
+        job = chain_job(chain)
         t0 = clock()
         cands = dispatcher.hash(job, dispatcher.candidates())
         dispatcher.choose(job, cands, dispatcher.look_up(cands))
