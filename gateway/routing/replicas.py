@@ -134,7 +134,7 @@ class ReplicaSync:
     async def publish_forever(self) -> None:
         """Flushes routed entries and load changes to the stream, batched."""
         client = self.client_factory()
-        failing = False
+        outage = _Outage("publish", "routing alone")
         last_loads = 0.0
         try:
             while True:
@@ -155,14 +155,10 @@ class ReplicaSync:
                     for entry in batch:
                         pipe.xadd(self.stream_key, entry, maxlen=MAXLEN, approximate=True)
                     await pipe.execute()
-                    if failing:
-                        logger.info("replica sync: publishing again")
-                    failing = False
+                    outage.over()
                 except (RedisError, OSError) as exc:
                     # Lost entries only cost sharing; the next loads entry repairs the counts.
-                    if not failing:
-                        logger.warning("replica sync: cannot publish (%s); routing alone", exc)
-                    failing = True
+                    outage.failed(exc)
                     self._dirty = True
                     await asyncio.sleep(_RETRY_S)
         finally:
@@ -218,20 +214,16 @@ class ReplicaSync:
         """Reads the stream from now on and applies the other replicas' entries."""
         client = self.client_factory()
         last = "$"
-        failing = False
+        outage = _Outage("read the peers' entries", "routing from the local view")
         try:
             while True:
                 try:
                     reply = await client.xread(
                         {self.stream_key: last}, count=1000, block=int(KEEPALIVE_S * 1000)
                     )
-                    if failing:
-                        logger.info("replica sync: following again")
-                    failing = False
+                    outage.over()
                 except (RedisError, OSError) as exc:
-                    if not failing:
-                        logger.warning("replica sync: cannot read peers (%s)", exc)
-                    failing = True
+                    outage.failed(exc)
                     await asyncio.sleep(_RETRY_S)
                     continue
                 now = time.monotonic()
@@ -246,6 +238,24 @@ class ReplicaSync:
                 self._totals = None
         finally:
             await _close(client)
+
+
+class _Outage:
+    """Logs the start and the end of a run of Redis failures once each, not per retry."""
+
+    def __init__(self, what: str, meanwhile: str) -> None:
+        self.what, self.meanwhile = what, meanwhile
+        self.failing = False
+
+    def failed(self, exc: Exception) -> None:
+        if not self.failing:
+            logger.warning("replica sync: cannot %s (%s); %s", self.what, exc, self.meanwhile)
+        self.failing = True
+
+    def over(self) -> None:
+        if self.failing:
+            logger.info("replica sync: can %s again", self.what)
+        self.failing = False
 
 
 async def _close(client: Any) -> None:

@@ -13,6 +13,8 @@ import time
 from functools import partial
 from typing import Any
 
+import pytest
+
 from gateway.routing.replicas import PEER_TTL_S
 from tests.gateway.conftest import Harness, MakeGateway
 from tests.gateway.helpers import eventually, namespace
@@ -108,3 +110,36 @@ async def test_in_flight_load_is_seen_by_the_other_replicas_and_ages_out(
     )
     assert time.monotonic() - started >= PEER_TTL_S - 1.5
     hung.cancel()
+
+
+async def test_a_dead_redis_only_loses_the_sharing(caplog: pytest.LogCaptureFixture) -> None:
+    import redis.asyncio as aioredis
+
+    from gateway.routing.index import BlockIndex
+    from gateway.routing.replicas import ReplicaSync
+    from gateway.routing.sessions import SessionMap
+    from tests.support import free_port
+
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    sync = ReplicaSync(
+        lambda: aioredis.Redis.from_url(dead, socket_connect_timeout=0.2),
+        "t:routes",
+        BlockIndex(),
+        SessionMap(60.0),
+        {},
+        speculative_ttl_s=2.0,
+        known_worker=lambda w: True,
+    )
+    tasks = sync.start()
+    try:
+        for _ in range(5):
+            sync.routed("w0", [1, 2, 3], "s")
+            await asyncio.sleep(0.1)
+        assert not any(t.done() for t in tasks)  # still trying, nothing raised
+        warnings = [r for r in caplog.records if "replica sync: cannot" in r.getMessage()]
+        assert len(warnings) == 2, warnings  # once per loop, not once per retry
+        assert sync.peer_load("w0") is None
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
