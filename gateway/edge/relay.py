@@ -292,7 +292,16 @@ class Relay:
         return await self._done()
 
     async def sse(self) -> web.StreamResponse:
-        """Relays the attached streams as events after ``start_sse``."""
+        """Relays the attached streams as events after ``start_sse``.
+
+        Each worker message becomes at most one text event (one detokenizer
+        push, one JSON encoding, one write), however many tokens it carries
+        (a worker that fell behind, or ``--stream-interval``); the finish goes
+        in its own event, as OpenAI's does. One reading task per choice, even
+        for one: it asks the worker for the next message while the last event
+        is written, which measured cheaper behind bench_overhead's fakes (9.0
+        vs 10.4 ms CPU a stream_128 request) than reading after each write.
+        """
         if self._resp is not None and self.stream.worker_id != self._header_worker:
             await self._resp.write(
                 f": x-kvroute-worker: {self.stream.worker_id}\n"

@@ -133,18 +133,22 @@ class _GrpcCall:
             raise _cut_off() from None
         if msg is grpc.aio.EOF:
             return None
+        # Per message, so kept lean: usage only on the first and last, logprobs if asked.
         cached = None
         if msg.HasField("usage") and (msg.usage.prompt_tokens or msg.usage.cached_tokens):
             cached = int(msg.usage.cached_tokens)
+        logprobs: tuple[TokenLogprobs, ...] = ()
+        if msg.logprobs:
+            logprobs = tuple(
+                TokenLogprobs(t, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs, strict=True)))
+                for t, lp in zip(msg.token_ids, msg.logprobs, strict=False)
+            )
         return Chunk(
             token_ids=msg.token_ids,
             finished=msg.finished,
             finish_reason=msg.finish_reason,
             cached_tokens=cached,
-            logprobs=tuple(
-                TokenLogprobs(t, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs, strict=True)))
-                for t, lp in zip(msg.token_ids, msg.logprobs, strict=False)
-            ),
+            logprobs=logprobs,
         )
 
     def cancel(self) -> None:
