@@ -9,15 +9,18 @@ the peers talk OpenAI HTTP to theirs. The peers are the Rust binaries from PyPI
 (``loadtest.bench_peers.ensure_peer_venv``), in ``round_robin`` and
 ``cache_aware``. Rounds interleave the routers (A/B/A/B), and every figure is
 the median over rounds. The peers do not tokenize; kvroute does. The fakes
-are ``loadtest.instant_workers``.
+are ``loadtest.instant_workers``: one message (gRPC) or SSE event (HTTP) per
+token, as a worker sends them when it keeps up; ``--stream-interval N`` makes
+them send every N tokens, as workers started with that flag do.
 
 Workloads: ``chat_small`` (a ~209-token chat, 8 tokens out), ``stream_128``
-(the same chat streamed, 128 tokens, one SSE event per token),
+(the same chat streamed, 128 tokens, one worker message per token),
 ``chat_6k_repeat`` (one ~6k-token 12-turn chat sent again and again) and
 ``chat_6k_cold`` (a different ~6k-token chat every request).
 
     python -m loadtest.bench_overhead                         # ~10 min
     python -m loadtest.bench_overhead --routers kvroute --seconds 3 --rounds 1
+    python -m loadtest.bench_overhead --routers kvroute --stream-interval 4
 """
 
 from __future__ import annotations
@@ -217,7 +220,14 @@ def measure(router: Router, workload: str, bodies: list[bytes], seconds: float) 
     }
 
 
-def run(routers: list[str], workloads: list[str], rounds: int, seconds: float, workers: int) -> Any:
+def run(
+    routers: list[str],
+    workloads: list[str],
+    rounds: int,
+    seconds: float,
+    workers: int,
+    stream_interval: int = 1,
+) -> Any:
     redis = PrivateRedis()
     tmp = Path(tempfile.mkdtemp(prefix="kvroute-overhead-"))
     ns = "overhead"
@@ -228,7 +238,8 @@ def run(routers: list[str], workloads: list[str], rounds: int, seconds: float, w
             "-c",
             "import asyncio; from pathlib import Path; "
             "from loadtest.instant_workers import serve_instant_workers; "
-            f"asyncio.run(serve_instant_workers({workers}, {redis.url!r}, {ns!r}, Path({str(ready)!r})))",
+            f"asyncio.run(serve_instant_workers({workers}, {redis.url!r}, {ns!r}, "
+            f"Path({str(ready)!r}), {stream_interval}))",
         ],
         cwd=ROOT,
     )
@@ -257,7 +268,8 @@ def run(routers: list[str], workloads: list[str], rounds: int, seconds: float, w
             for w in workloads:
                 for name, router in started.items():
                     results[name].setdefault(w, []).append(measure(router, w, bodies[w], seconds))
-        return summarize(results, started, skipped, direct, workloads)
+        summary = summarize(results, started, skipped, direct, workloads)
+        return {**summary, "stream_interval": stream_interval}
     finally:
         for router in started.values():
             router.close()
@@ -347,14 +359,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=5.0, help="per workload and round")
     parser.add_argument("--workers", type=int, default=2, help="fake workers behind each router")
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens per worker message after the first (a worker's --stream-interval)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.stream_interval < 1:
+        raise SystemExit(f"--stream-interval {args.stream_interval}: must be at least 1")
     routers = [r for r in args.routers.split(",") if r]
     for r in routers:
         if r not in ROUTERS:
             raise SystemExit(f"--routers: {r!r} is not one of {', '.join(ROUTERS)}")
     workloads = [w for w in args.workloads.split(",") if w]
-    result = run(routers, workloads, args.rounds, args.seconds, args.workers)
+    result = run(routers, workloads, args.rounds, args.seconds, args.workers, args.stream_interval)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:

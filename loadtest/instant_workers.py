@@ -5,6 +5,16 @@ fakes speaking kvroute's worker contract, each registered in Redis by the
 real ``Publisher``, and N OpenAI HTTP fakes for the peer routers; it writes
 the HTTP URLs to a file once every publisher has synced. What a router in
 front of them costs is then all that is measured.
+
+Messages per token follow a real worker's: the first token alone, then one
+message per ``stream_interval`` tokens (a worker's ``--stream-interval``,
+default 1), the last one as soon as it is ready (``message_sizes``). A real
+worker merges further only the tokens that piled up while its own loop was
+busy sending: a router that reads slowly does not slow the sends, since the
+HTTP/2 window holds thousands of these ~15-byte messages. An engine that
+keeps up sends one message per step, which is what these fakes send; they
+do not invent a step time to merge on. The HTTP fakes send one SSE event
+per message alike, so the peers get the same number of events per token.
 """
 
 from __future__ import annotations
@@ -28,18 +38,35 @@ from loadtest.scale_redis import FakeEngine
 MODEL = "bench"
 
 
-class _InstantGrpc(worker_pb2_grpc.WorkerServicer):
-    """kvroute's worker contract with no engine: ``max_tokens`` tokens, one message each."""
+def message_sizes(n: int, stream_interval: int) -> list[int]:
+    """Tokens per message for ``n`` tokens, as a worker with ``--stream-interval`` sends them."""
+    if stream_interval < 1:
+        raise ValueError(f"--stream-interval must be at least 1, got {stream_interval}")
+    sizes = [1] if n > 0 else []
+    left = n - 1
+    while left > 0:
+        sizes.append(min(stream_interval, left))
+        left -= sizes[-1]
+    return sizes
 
-    def __init__(self, worker_id: str) -> None:
+
+class _InstantGrpc(worker_pb2_grpc.WorkerServicer):
+    """kvroute's worker contract with no engine: ``max_tokens`` tokens (``message_sizes``)."""
+
+    def __init__(self, worker_id: str, stream_interval: int = 1) -> None:
         self.worker_id = worker_id
+        self.stream_interval = stream_interval
 
     async def Generate(self, request: Any, context: Any) -> Any:
         n = max(1, request.sampling.max_tokens)
-        for i in range(n - 1):
-            yield pb.GenerateResponse(token_ids=[1000 + i % 500], worker_id=self.worker_id)
+        sizes = message_sizes(n, self.stream_interval)
+        sent = 0
+        for size in sizes[:-1]:
+            ids = [1000 + (sent + i) % 500 for i in range(size)]
+            sent += size
+            yield pb.GenerateResponse(token_ids=ids, worker_id=self.worker_id)
         yield pb.GenerateResponse(
-            token_ids=[1000],
+            token_ids=[1000 + (sent + i) % 500 for i in range(sizes[-1])],
             finished=True,
             finish_reason="length",
             usage=pb.Usage(
@@ -52,7 +79,7 @@ class _InstantGrpc(worker_pb2_grpc.WorkerServicer):
         return pb.HealthResponse(serving=True)
 
 
-def _openai_app() -> web.Application:
+def _openai_app(stream_interval: int = 1) -> web.Application:
     """The OpenAI HTTP shape the peers forward to, answered at once."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -78,13 +105,14 @@ def _openai_app() -> web.Application:
             )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for _ in range(n):
+        for size in message_sizes(n, stream_interval):
+            delta = {"content": " a" * size}
             chunk = {
                 "id": "x",
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": MODEL,
-                "choices": [{"index": 0, "delta": {"content": " a"}, "finish_reason": None}],
+                "choices": [{"index": 0, "delta": delta, "finish_reason": None}],
             }
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
@@ -104,7 +132,9 @@ def _openai_app() -> web.Application:
     return app
 
 
-async def serve_instant_workers(workers: int, redis_url: str, namespace: str, ready: Path) -> None:
+async def serve_instant_workers(
+    workers: int, redis_url: str, namespace: str, ready: Path, stream_interval: int = 1
+) -> None:
     """Runs ``workers`` gRPC fakes (registered) and as many HTTP fakes until killed."""
     from worker.publish.event_queue import EventQueue
     from worker.publish.publisher import Publisher, PublisherConfig
@@ -113,7 +143,9 @@ async def serve_instant_workers(workers: int, redis_url: str, namespace: str, re
     urls, pubs = [], []
     for i in range(workers):
         server = grpc.aio.server()
-        worker_pb2_grpc.add_WorkerServicer_to_server(_InstantGrpc(f"fake-{i}"), server)
+        worker_pb2_grpc.add_WorkerServicer_to_server(
+            _InstantGrpc(f"fake-{i}", stream_interval), server
+        )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         record = WorkerRecord(
@@ -133,7 +165,7 @@ async def serve_instant_workers(workers: int, redis_url: str, namespace: str, re
         )
         await pub.start()
         pubs.append((server, pub))
-        runner = web.AppRunner(_openai_app(), access_log=None)
+        runner = web.AppRunner(_openai_app(stream_interval), access_log=None)
         await runner.setup()
         http_port = free_port()
         await web.TCPSite(runner, "127.0.0.1", http_port).start()
