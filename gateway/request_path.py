@@ -35,7 +35,8 @@ from gateway.edge.app_keys import STATE, TENANT, GatewayState
 from gateway.edge.auth import ANONYMOUS, Tenant
 from gateway.edge.relay import Relay
 from gateway.observe.access_log import note_request, observe_finished
-from gateway.routing.dispatch import Candidates, Dispatcher, Job, Stream
+from gateway.routing.dispatch import Dispatcher
+from gateway.routing.jobs import Candidates, Job, Stream
 from gateway.routing.router import Decision
 from gateway.text.prefix_tokens import Prompt
 from gateway.upstream.base import Generation

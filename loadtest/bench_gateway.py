@@ -26,8 +26,9 @@ from contract.redis_layout import RedisLayout, WorkerRecord
 from gateway.edge.auth import ANONYMOUS
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RollingStats
-from gateway.routing.dispatch import Dispatcher, Job
+from gateway.routing.dispatch import Dispatcher
 from gateway.routing.index import BlockIndex
+from gateway.routing.jobs import Job
 from gateway.routing.mirror import IndexMirror
 from gateway.routing.mirror_state import WorkerEntry
 from gateway.routing.router import Router, RouterConfig

@@ -15,8 +15,9 @@ from contract.redis_layout import WorkerRecord
 from gateway.edge.auth import Tenant
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RollingStats
-from gateway.routing.dispatch import Dispatcher, Job
+from gateway.routing.dispatch import Dispatcher
 from gateway.routing.index import BlockIndex
+from gateway.routing.jobs import Job
 from gateway.routing.mirror_state import WorkerEntry
 from gateway.routing.router import Router, RouterConfig
 from gateway.routing.sessions import SessionMap

@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.routing.dispatch import Job, Stream
+from gateway.routing.jobs import Job, Stream
 from gateway.upstream.base import Chunk, UpstreamError
 from openai_api.detokenizer import Detokenizer
 from openai_api.errors import APIError

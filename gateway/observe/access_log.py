@@ -23,7 +23,7 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from gateway.observe.metrics import GatewayMetrics
-    from gateway.routing.dispatch import Stream
+    from gateway.routing.jobs import Stream
 
 access_logger = logging.getLogger("kvroute.access")
 QUIET_PATHS = frozenset({"/health", "/healthz", "/readyz", "/metrics", "/dashboard/data"})

@@ -20,21 +20,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from contract.hashing import HashSpec
-from gateway.edge.auth import Tenant
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RequestRecord, RollingStats
 from gateway.routing.index import BlockIndex
-from gateway.routing.load import GatewayLoad, corrected_load
+from gateway.routing.jobs import Candidates, Job, Stream, first_chunk
+from gateway.routing.load import GatewayLoad, router_view
 from gateway.routing.mirror import IndexMirror
 from gateway.routing.mirror_state import WorkerEntry
 from gateway.routing.record_check import RecordCheck
 from gateway.routing.replicas import ReplicaSync
 from gateway.routing.router import Decision, Router, RouteRequest, WorkerState
 from gateway.routing.sessions import SessionMap
-from gateway.text.prefix_tokens import Prompt
 from gateway.upstream.base import Chunk, Generation, Upstream, UpstreamCall, UpstreamError
 from openai_api.errors import APIError
 
@@ -43,88 +42,6 @@ logger = logging.getLogger(__name__)
 _FAILED_COOLDOWN_S = 2.0  # a worker that refused a call is skipped this long
 _WATCH_S = 0.25  # how often a request waiting for its first token checks on its worker
 DEFAULT_TRANSPORT = "grpc"
-
-
-@dataclass(frozen=True)
-class Job:
-    """One generation request, tokenized and ready to route."""
-
-    request_id: str
-    prompt: Prompt
-    generation: Generation
-    tenant: Tenant
-    session_key: str | None
-    started: float  # perf_counter() when the HTTP request arrived
-    # False when the client left max_tokens unset: each worker fills its own context.
-    max_tokens_fixed: bool = True
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.prompt.ids
-
-
-@dataclass(frozen=True)
-class Candidates:
-    """The workers a job may go to, and the chain each would look up."""
-
-    entries: list[WorkerEntry]
-    chains: dict[str, list[int]]  # worker id -> block hashes under its spec and salt
-
-
-class Stream:
-    """A generation that produced its first chunk on ``worker_id``."""
-
-    def __init__(
-        self,
-        dispatcher: Dispatcher,
-        job: Job,
-        worker_id: str,
-        reason: str,
-        predicted_cached: int,
-        call: UpstreamCall,
-        first: Chunk,
-    ) -> None:
-        self._d = dispatcher
-        self.job = job
-        self.worker_id = worker_id
-        self.reason = reason
-        self.predicted_cached_tokens = predicted_cached
-        self.first = first
-        self.first_at = time.perf_counter()  # the first token's arrival (TTFT in the access log)
-        self._call = call
-        self._closed = False
-
-    async def next(self) -> Chunk | None:
-        """The next chunk, or None at the end of the stream; raises ``UpstreamError``.
-
-        A worker silent for the inter-token timeout (hung, stopped, cut off)
-        ends the stream with a 504 instead of holding the client forever.
-        """
-        limit = self._d.inter_token_timeout_s
-        try:
-            async with asyncio.timeout(limit):
-                return await self._call.read()
-        except TimeoutError:
-            self._call.cancel()
-            logger.warning(
-                "request %s: worker %s sent nothing for %.1fs; ending the stream",
-                self.job.request_id,
-                self.worker_id,
-                limit,
-            )
-            raise UpstreamError(
-                f"no token within the inter-token timeout ({limit:g}s)",
-                retryable=False,
-                api_error=APIError(504, "the worker stopped producing tokens", code="timeout"),
-            ) from None
-
-    def close(self, cached_tokens: int | None) -> None:
-        """Ends the call (aborting it on the worker if still running) and records the outcome."""
-        if self._closed:
-            return
-        self._closed = True
-        self._call.cancel()
-        self._d.finished(self, cached_tokens)
 
 
 class Dispatcher:
@@ -205,40 +122,13 @@ class Dispatcher:
 
     def state(self, entry: WorkerEntry, cached_blocks: int) -> WorkerState:
         """The router's view of ``entry``: its heartbeat, corrected by this gateway's own view."""
-        rec = entry.record
-        load = self.loads.get(rec.worker_id)
+        wid = entry.record.worker_id
+        load = self.loads.get(wid)
         if load is None:
-            load = self.loads[rec.worker_id] = GatewayLoad()
-        if load.heartbeat != rec.updated_at:
-            load.saw_record(rec.updated_at)
-        inflight, pending, pending_prefill = (
-            load.inflight,
-            load.pending,
-            load.pending_prefill_tokens,
-        )
-        peers = self.replicas.peer_load(rec.worker_id) if self.replicas is not None else None
-        if peers is not None:  # what the other gateway replicas have in flight there
-            inflight += peers.inflight
-            pending += peers.pending
-            pending_prefill += peers.pending_prefill_tokens
-        running, waiting, queued = rec.running, rec.waiting, rec.queued_prefill_tokens
-        finished = load.finished - load.finished_at_heartbeat
-        if finished or pending_prefill or not (running or waiting):
-            running, waiting, queued = corrected_load(
-                running, waiting, queued, finished, pending_prefill
-            )
-        return WorkerState(
-            rec.worker_id,
-            cached_blocks,
-            running,
-            waiting,
-            queued,
-            rec.prefill_tokens_per_s,
-            inflight,
-            pending,
-            self.index.block_count(rec.worker_id),
-            rec.num_blocks,
-        )
+            load = self.loads[wid] = GatewayLoad()
+        peer = self.replicas.peer_load(wid) if self.replicas is not None else None
+        peers = (peer.inflight, peer.pending, peer.pending_prefill_tokens) if peer else (0, 0, 0)
+        return router_view(entry.record, load, cached_blocks, self.index.block_count(wid), peers)
 
     # -- routing: candidates -> hash -> look up -> choose ---------------------------
 
@@ -478,7 +368,7 @@ class Dispatcher:
         """
         limit = self.first_token_timeout_s
         give_up = time.monotonic() + limit
-        task = asyncio.ensure_future(_first_chunk(call))
+        task = asyncio.ensure_future(first_chunk(call))
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=_WATCH_S)
@@ -504,17 +394,3 @@ class Dispatcher:
 
 def _retry_of(g: Generation, attempt: int) -> Generation:
     return replace(g, request_id=f"{g.request_id}-{attempt}")
-
-
-async def _first_chunk(call: UpstreamCall) -> Chunk:
-    """Reads until the worker produced a token (or finished); EOF before that is retryable."""
-    while True:
-        chunk = await call.read()
-        if chunk is None:
-            raise UpstreamError(
-                "stream ended without a token",
-                retryable=True,
-                api_error=APIError(502, "the worker ended the stream early", code="worker_error"),
-            )
-        if chunk.token_ids or chunk.finished:
-            return chunk

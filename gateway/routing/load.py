@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contract.redis_layout import WorkerRecord
+from gateway.routing.router import WorkerState
+
 
 @dataclass
 class GatewayLoad:
@@ -47,3 +50,41 @@ def corrected_load(
     new_running = max(0, running - max(0, finished_since - waiting))
     queued = queued_prefill_tokens if new_running + new_waiting else 0
     return new_running, new_waiting, max(queued, pending_prefill)
+
+
+def router_view(
+    rec: WorkerRecord,
+    load: GatewayLoad,
+    cached_blocks: int,
+    held_blocks: int,
+    peers: tuple[int, int, int] = (0, 0, 0),
+) -> WorkerState:
+    """The router's view of a worker: its heartbeat ``rec``, corrected by this gateway's ``load``.
+
+    ``peers`` is what the other gateway replicas have in flight there
+    (inflight, pending, pending prefill tokens; ``gateway.routing.replicas``).
+    """
+    if load.heartbeat != rec.updated_at:
+        load.saw_record(rec.updated_at)
+    inflight = load.inflight + peers[0]
+    pending = load.pending + peers[1]
+    pending_prefill = load.pending_prefill_tokens + peers[2]
+    running, waiting, queued = rec.running, rec.waiting, rec.queued_prefill_tokens
+    finished = load.finished - load.finished_at_heartbeat
+    # The common case (nothing finished or pending, a busy worker) needs no correction.
+    if finished or pending_prefill or not (running or waiting):
+        running, waiting, queued = corrected_load(
+            running, waiting, queued, finished, pending_prefill
+        )
+    return WorkerState(
+        rec.worker_id,
+        cached_blocks,
+        running,
+        waiting,
+        queued,
+        rec.prefill_tokens_per_s,
+        inflight,
+        pending,
+        held_blocks,
+        rec.num_blocks,
+    )

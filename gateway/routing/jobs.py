@@ -1,0 +1,122 @@
+"""What flows through routing: a tokenized ``Job``, its ``Candidates``, the open ``Stream``.
+
+The request path builds a ``Job``, the dispatcher turns it into ``Candidates``
+(the workers it may go to, each with its block chain) and, once a worker
+produced the first token, a ``Stream`` the relay reads until the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gateway.edge.auth import Tenant
+from gateway.routing.mirror_state import WorkerEntry
+from gateway.text.prefix_tokens import Prompt
+from gateway.upstream.base import Chunk, Generation, UpstreamCall, UpstreamError
+from openai_api.errors import APIError
+
+if TYPE_CHECKING:
+    from gateway.routing.dispatch import Dispatcher
+
+# The dispatcher's log: a stream's warnings keep the name they always had.
+logger = logging.getLogger("gateway.routing.dispatch")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One generation request, tokenized and ready to route."""
+
+    request_id: str
+    prompt: Prompt
+    generation: Generation
+    tenant: Tenant
+    session_key: str | None
+    started: float  # perf_counter() when the HTTP request arrived
+    # False when the client left max_tokens unset: each worker fills its own context.
+    max_tokens_fixed: bool = True
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompt.ids
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The workers a job may go to, and the chain each would look up."""
+
+    entries: list[WorkerEntry]
+    chains: dict[str, list[int]]  # worker id -> block hashes under its spec and salt
+
+
+class Stream:
+    """A generation that produced its first chunk on ``worker_id``."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        job: Job,
+        worker_id: str,
+        reason: str,
+        predicted_cached: int,
+        call: UpstreamCall,
+        first: Chunk,
+    ) -> None:
+        self._d = dispatcher
+        self.job = job
+        self.worker_id = worker_id
+        self.reason = reason
+        self.predicted_cached_tokens = predicted_cached
+        self.first = first
+        self.first_at = time.perf_counter()  # the first token's arrival (TTFT in the access log)
+        self._call = call
+        self._closed = False
+
+    async def next(self) -> Chunk | None:
+        """The next chunk, or None at the end of the stream; raises ``UpstreamError``.
+
+        A worker silent for the inter-token timeout (hung, stopped, cut off)
+        ends the stream with a 504 instead of holding the client forever.
+        """
+        limit = self._d.inter_token_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                return await self._call.read()
+        except TimeoutError:
+            self._call.cancel()
+            logger.warning(
+                "request %s: worker %s sent nothing for %.1fs; ending the stream",
+                self.job.request_id,
+                self.worker_id,
+                limit,
+            )
+            raise UpstreamError(
+                f"no token within the inter-token timeout ({limit:g}s)",
+                retryable=False,
+                api_error=APIError(504, "the worker stopped producing tokens", code="timeout"),
+            ) from None
+
+    def close(self, cached_tokens: int | None) -> None:
+        """Ends the call (aborting it on the worker if still running) and records the outcome."""
+        if self._closed:
+            return
+        self._closed = True
+        self._call.cancel()
+        self._d.finished(self, cached_tokens)
+
+
+async def first_chunk(call: UpstreamCall) -> Chunk:
+    """Reads until the worker produced a token (or finished); EOF before that is retryable."""
+    while True:
+        chunk = await call.read()
+        if chunk is None:
+            raise UpstreamError(
+                "stream ended without a token",
+                retryable=True,
+                api_error=APIError(502, "the worker ended the stream early", code="worker_error"),
+            )
+        if chunk.token_ids or chunk.finished:
+            return chunk
