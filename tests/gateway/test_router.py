@@ -62,12 +62,15 @@ def test_recompute_weight_keeps_a_long_prefix_through_a_short_queue() -> None:
     # a: (1000 + 48)/1000 = 1.048 s ; b: 640/1000 = 0.64 s -> b, the cold worker
     assert ttft_only.choose(req(640), ws).worker_id == "b"
     weighted = Router(RouterConfig(default_prefill_tokens_per_s=1000.0, recompute_weight=24.0))
-    # a: (1000 + 48)/1000 = 1.048 ; b: (640 + 23 * 592 duplicated)/1000 = 14.256 -> a wins
+    # a: (1000 + 48)/1000 = 1.048 ; b: (640 + 23 * share * 592 duplicated)/1000, the
+    # cached prefix being share = 592/640 of the prompt: 13.23 -> a wins
     d = weighted.choose(req(640), ws)
     assert (d.worker_id, d.reason, d.predicted_cached_tokens) == ("a", "cache", 592)
     # the score ranks, but the reported TTFT prediction stays the plain one
     assert weighted.score(req(640), ws[0], 592) == pytest.approx(1.048)
-    assert weighted.score(req(640), ws[1], 592) == pytest.approx(14.256)
+    assert weighted.score(req(640), ws[1], 592) == pytest.approx(
+        (640 + 23 * 592 * 592 / 640) / 1000
+    )
     assert weighted.predicted_ttft(req(640), ws[1]) == pytest.approx(0.64)
     # tokens no worker holds are not weighted: a cold fleet scores plain TTFT
     assert weighted.score(req(640), ws[1], 0) == pytest.approx(0.64)
@@ -144,12 +147,12 @@ def test_duplicate_charge_follows_cache_pressure() -> None:
     assert router.choose(r, [holder, empty]).worker_id == "a"
     # holder full, b empty: duplicating the prefix on b evicts nothing; only TTFT counts
     assert router.score(r, empty, 992, holder_fill=1.0) == pytest.approx(1064 / 5000)
-    # equally full caches (or unknown capacity): the full 11x charge on the 992 duplicated
+    # equally full caches (or unknown capacity): the full 11x charge on the 992 duplicated,
+    # times the share of the prompt the prefix is (992 of 1064)
     full = WorkerState("b", 0, held_blocks=1000, capacity_blocks=1000)
-    assert router.score(r, full, 992, holder_fill=1.0) == pytest.approx((1064 + 11 * 992) / 5000)
-    assert router.score(r, WorkerState("b", 0), 992, holder_fill=1.0) == pytest.approx(
-        (1064 + 11 * 992) / 5000
-    )
+    charged = (1064 + 11 * 992 * 992 / 1064) / 5000
+    assert router.score(r, full, 992, holder_fill=1.0) == pytest.approx(charged)
+    assert router.score(r, WorkerState("b", 0), 992, holder_fill=1.0) == pytest.approx(charged)
     # a new conversation goes to the empty worker rather than piling onto the full holder
     # once the holder's queue costs more than the prefix: (1500 + 72) vs 1064 tokens
     busy_holder = WorkerState(
@@ -322,3 +325,15 @@ def test_vectorised_policy_equals_the_scalar_reference_on_random_fleets() -> Non
         want = next(w for w in ws if w.worker_id == expected)
         assert worker_load(other) == worker_load(want), (trial, d, expected)
     assert checked > 300
+
+
+def test_a_short_shared_prefix_does_not_pin_a_long_prompt() -> None:
+    router = Router(RouterConfig(recompute_weight=12.0, decode_weight_s=0.0))
+    r = req(900)  # 32 tokens (2 blocks) of it are cached on a, which has a short queue
+    holder = WorkerState("a", 2, waiting=1, queued_prefill_tokens=300)
+    idle = WorkerState("b", 0)
+    # a: (300 + 868)/5000 = 0.234 s; b: (900 + 11 * (32/900) * 32)/5000 = 0.182 s. Charged
+    # in full (11 * 32) b would cost 0.250 s and the request would queue behind a's work
+    # to save recomputing 32 tokens of 900.
+    assert router.score(r, idle, 32) == pytest.approx((900 + 11 * 32 * 32 / 900) / 5000)
+    assert router.choose(r, [holder, idle]).worker_id == "b"
