@@ -6,7 +6,8 @@ threads reach them only through the command queue (``generate``, ``abort``,
 (``stats``, ``resident_block_hashes``). Outputs go back to each request's
 ``asyncio.Queue`` with ``loop.call_soon_threadsafe``; the engine never waits
 on a consumer, and a consumer that falls behind gets what piled up as one
-merged output (``generate``), so a busy reader sends fewer, larger messages.
+merged output (``generate``), so a busy reader sends fewer, larger messages
+(``worker.engine.output_stream``).
 
 Hooks, all called on the engine thread and required not to block:
 
@@ -28,12 +29,12 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from contract.events import KVEvent
 from contract.hashing import HashSpec
 from worker.engine.core import EngineCore
+from worker.engine.output_stream import OutputStream, merge_outputs
 from worker.engine.sequence import RequestTimings, SamplingParams
 from worker.engine.sequence import Sequence as Seq
 from worker.engine.types import (
@@ -61,31 +62,6 @@ FinishedHook = Callable[[RequestOutput, RequestTimings], None]
 # for a while" always means stuck (or dead), never just idle.
 _IDLE_BEAT_S = 0.25
 _Command = Callable[[], None]
-
-
-def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
-    """One output for consecutive outputs of a request: their tokens and logprobs in order,
-    the prompt and cached counts of the first, the rest (finish, usage, TTFT) of the last."""
-    first, last = outputs[0], outputs[-1]
-    return RequestOutput(
-        request_id=last.request_id,
-        new_token_ids=[t for o in outputs for t in o.new_token_ids],
-        finished=last.finished,
-        finish_reason=last.finish_reason,
-        prompt_tokens=first.prompt_tokens,
-        cached_tokens=first.cached_tokens,
-        completion_tokens=last.completion_tokens,
-        ttft_s=last.ttft_s if last.ttft_s is not None else first.ttft_s,
-        new_logprobs=[lp for o in outputs for lp in o.new_logprobs],
-    )
-
-
-@dataclass
-class _RequestQueue:
-    """Where one request's outputs go: a queue on the event loop that reads them."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
 
 
 class Engine:
@@ -127,7 +103,7 @@ class Engine:
         )
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._queues_lock = threading.Lock()
-        self._queues: dict[str, _RequestQueue] = {}
+        self._queues: dict[str, OutputStream] = {}
         self._pin_results: dict[str, concurrent.futures.Future[int]] = {}
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -215,50 +191,19 @@ class Engine:
                 self.grammars.matcher, params.json_schema, params.grammar
             )
         self._check_running()
-        request_queue = _RequestQueue(asyncio.get_running_loop(), asyncio.Queue())
+        stream = OutputStream(asyncio.get_running_loop(), self.stream_interval)
         with self._queues_lock:
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in flight")
-            self._queues[request_id] = request_queue
-        finished = False
-        items = request_queue.queue
-        held: list[RequestOutput] = []  # ready, not yet sent (fewer than stream_interval tokens)
-        error: BaseException | None = None
-        sent = False  # the first output (TTFT) never waits for stream_interval
+            self._queues[request_id] = stream
         try:
             self._submit(lambda: self._add(seq))
-            while not finished:
-                if error is not None:
-                    finished = True
-                    raise error
-                item = await items.get()
-                while True:  # take every output already queued (nothing follows the last)
-                    if isinstance(item, BaseException):
-                        error = item
-                        break
-                    held.append(item)
-                    if item.finished or items.empty():
-                        break
-                    item = items.get_nowait()
-                if not held:
-                    continue
-                if (
-                    self.stream_interval > 1
-                    and sent
-                    and error is None
-                    and not held[-1].finished
-                    and sum(len(o.new_token_ids) for o in held) < self.stream_interval
-                ):
-                    continue  # --stream-interval: wait for more
-                out = held[0] if len(held) == 1 else merge_outputs(held)
-                held = []
-                sent = True
-                finished = out.finished
+            async for out in stream:
                 yield out
         finally:
             with self._queues_lock:
                 self._queues.pop(request_id, None)
-            if not finished:
+            if not stream.finished:
                 self._post(lambda: self.core.abort(request_id))
 
     def abort(self, request_id: str) -> bool:
@@ -386,13 +331,9 @@ class Engine:
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._queues_lock:
-            request_queue = self._queues.get(request_id)
-        if request_queue is None:
-            return
-        try:
-            request_queue.loop.call_soon_threadsafe(request_queue.queue.put_nowait, item)
-        except RuntimeError:  # the consumer's loop is closed: nobody is listening
-            logger.debug("dropping output for %s: event loop closed", request_id)
+            stream = self._queues.get(request_id)
+        if stream is not None:
+            stream.push(request_id, item)
 
     # -- helpers (any thread) --------------------------------------------
 
