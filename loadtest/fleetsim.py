@@ -19,7 +19,8 @@ A discrete-event simulation of one gateway and N workers:
   exact count. The gateway's view of blocks is ``gateway.routing.index.BlockIndex``
   itself, fed the workers' events ``event_delay_s`` late plus speculative entries.
 - Gateway policies are decided by ``gateway.routing.router.Router`` itself;
-  ``chwbl`` and ``sglang_like`` come from ``loadtest.baselines``.
+  ``chwbl`` and ``sglang_like`` come from ``loadtest.baselines``
+  (``loadtest.fleetsim_policies`` builds the routing function of each).
 
 Multi-turn shapes (``RequestShape.after``) arrive when their previous turn
 finishes plus the think time, so the open loop of users is closed per user.
@@ -37,9 +38,9 @@ from typing import Any
 
 from gateway.routing.index import BlockIndex
 from gateway.routing.load import corrected_load
-from gateway.routing.router import POLICIES, Router, RouterConfig, RouteRequest, WorkerState
-from loadtest.baselines import Chwbl, SglangLike
+from gateway.routing.router import POLICIES, RouterConfig, WorkerState
 from loadtest.blockcache import BlockCache
+from loadtest.fleetsim_policies import make_route
 from loadtest.workloads import RequestShape
 
 SIM_POLICIES = (*POLICIES, "chwbl", "sglang_like")
@@ -160,7 +161,7 @@ class FleetSimulation:
         self._seq = itertools.count()
         self._pending = 0  # events other than heartbeats
         self._followers: dict[str, list[RequestShape]] = defaultdict(list)
-        self._route = self._make_policy()
+        self._route = make_route(self)
 
     # -- driving -----------------------------------------------------------------
 
@@ -297,60 +298,6 @@ class FleetSimulation:
         """Leading blocks of ``keys`` the gateway believes ``wid`` holds (events + speculation)."""
         return self.index.longest_prefix(keys, now).get(wid, 0)
 
-    def _make_policy(self) -> Callable[[RequestShape, float], tuple[str, str, int]]:
-        cfg = self.cfg
-        wids = sorted(self.workers)
-        if cfg.policy == "chwbl":
-            chwbl = Chwbl(wids, load_factor=cfg.chwbl_load_factor)
-
-            def route_chwbl(shape: RequestShape, now: float) -> tuple[str, str, int]:
-                key = shape.block_keys[0] if shape.block_keys else 0
-                wid = chwbl.choose(int(key), self.inflight)  # type: ignore[call-overload]
-                return wid, "cache", self.view_match(wid, shape.block_keys, now)
-
-            return route_chwbl
-        if cfg.policy == "sglang_like":
-            sglang = SglangLike(
-                wids,
-                cache_threshold=cfg.sglang_cache_threshold,
-                balance_abs=cfg.sglang_balance_abs,
-                balance_rel=cfg.sglang_balance_rel,
-                max_tree_blocks=max(cfg.sglang_max_tree_tokens // cfg.block_size, 1),
-            )
-
-            def route_sglang(shape: RequestShape, now: float) -> tuple[str, str, int]:
-                return sglang.choose(
-                    shape.block_keys, shape.prompt_tokens, cfg.block_size, self.inflight
-                )
-
-            return route_sglang
-        extra: dict[str, Any] = dict(cfg.router_options)
-        router = Router(
-            RouterConfig(
-                policy=cfg.policy,
-                balance_factor=cfg.balance_factor,
-                default_prefill_tokens_per_s=cfg.prefill_tokens_per_s,
-                seed=cfg.seed,
-                **extra,
-            )
-        )
-
-        def route_gateway(shape: RequestShape, now: float) -> tuple[str, str, int]:
-            cached = self.index.longest_prefix(shape.block_keys, now)
-            states = [self.worker_state(wid, cached.get(wid, 0), now) for wid in wids]
-            decision = router.choose(
-                RouteRequest(
-                    prompt_tokens=shape.prompt_tokens,
-                    block_size=cfg.block_size,
-                    session_worker=self._session_worker(shape, now),
-                ),
-                states,
-            )
-            blocks = next(s.cached_blocks for s in states if s.worker_id == decision.worker_id)
-            return decision.worker_id, decision.reason, blocks
-
-        return route_gateway
-
     def worker_state(self, wid: str, cached_blocks: int, now: float) -> WorkerState:
         """The router's view of ``wid``, built the way ``gateway.routing.dispatch`` builds it."""
         cfg = self.cfg
@@ -375,7 +322,8 @@ class FleetSimulation:
             capacity_blocks=cfg.capacity_blocks,
         )
 
-    def _session_worker(self, shape: RequestShape, now: float) -> str | None:
+    def session_worker(self, shape: RequestShape, now: float) -> str | None:
+        """The worker ``shape``'s session is bound to, if the binding has not expired."""
         if shape.session is None:
             return None
         entry = self.sessions.get(shape.session)
