@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -223,7 +224,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
     dispatcher = Dispatcher(
         mirror=mirror,
         index=index,
-        router=Router(config.router),
+        router=Router(config.router, rotation_start=random.randrange(1 << 20)),
         upstreams=upstreams,
         sessions=sessions,
         metrics=metrics,

@@ -184,9 +184,12 @@ def worker_queue(w: WorkerState) -> int:
 class Router:
     """Picks a worker per request under one policy."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, *, rotation_start: int = 0) -> None:
         self.config = config
-        self._cursor = 0
+        # Gateway replicas start their rotations at different places: with the same
+        # start, replicas that see the same fleet break the same ties the same way and
+        # send simultaneous cold requests to one worker.
+        self._cursor = rotation_start
         self._rng = random.Random(config.seed)
 
     # -- public ---------------------------------------------------------------
