@@ -37,6 +37,7 @@ from gateway.text.prefix_tokens import Prompt
 from gateway.text.tokenizer import ChatTokenizer
 from gateway.text.tokenizer_folder import resolve_model_dir
 from gateway.upstream.grpc_worker import GrpcUpstream
+from loadtest.scale_dispatcher import greedy_generation
 from openai_api.requests import parse_chat
 
 _WORDS = [
@@ -173,7 +174,7 @@ def run(
                 job = Job(
                     request_id=f"c{c}t{turn}",
                     prompt=prompt,
-                    generation=None,  # type: ignore[arg-type]
+                    generation=greedy_generation(f"c{c}t{turn}", ids),
                     tenant=ANONYMOUS,
                     session_key=req.sampling.user,
                     started=t0,

@@ -75,12 +75,12 @@ def fleet_dispatcher(index: BlockIndex, ids: list[str], loads: dict[str, int]) -
     )
 
 
-def chain_job(chain: list[int]) -> Job:
-    prompt: Any = ChainPrompt(chain)
-    generation = Generation(
-        request_id="bench",
-        prompt_ids=prompt.ids,
-        max_tokens=16,
+def greedy_generation(request_id: str, prompt_ids: list[int], max_tokens: int = 16) -> Generation:
+    """A plain greedy request for routing benchmarks (routing reads only its sizes)."""
+    return Generation(
+        request_id=request_id,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
         temperature=0.0,
         top_p=1.0,
         top_k=0,
@@ -89,4 +89,9 @@ def chain_job(chain: list[int]) -> Job:
         stop_token_ids=(),
         cache_salt="",
     )
+
+
+def chain_job(chain: list[int]) -> Job:
+    prompt: Any = ChainPrompt(chain)
+    generation = greedy_generation("bench", prompt.ids)
     return Job("bench", prompt, generation, Tenant(), session_key=None, started=0.0)
