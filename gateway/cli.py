@@ -111,6 +111,13 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, Any, str]] = [
     ("--index-max-entries", int, 0, "memory bound: (worker, block) entries kept (0 = all)"),
     ("--redis-cluster", str, "false", "true: --redis-url is a node of a Redis Cluster"),
     (
+        "--stream-interval",
+        int,
+        0,
+        "tokens per worker message after the first; 0 = auto (1, more as this gateway relays "
+        "more streams)",
+    ),
+    (
         "--replica-sync",
         str,
         "true",
@@ -201,6 +208,7 @@ def config_from_args(argv: list[str]) -> GatewayConfig:
         index_max_entries=v["--index-max-entries"],
         redis_cluster=_flag_bool("--redis-cluster", v["--redis-cluster"]),
         replica_sync=_flag_bool("--replica-sync", v["--replica-sync"]),
+        stream_interval=v["--stream-interval"],
     )
 
 

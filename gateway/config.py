@@ -51,6 +51,8 @@ class GatewayConfig:
     # Share in-flight load, speculative entries and sessions with the other gateway
     # replicas of this namespace through Redis (gateway.routing.replicas).
     replica_sync: bool = True
+    # Tokens per worker message after the first (gRPC workers); 0 = auto (gateway.routing.jobs).
+    stream_interval: int = 0
 
     def __post_init__(self) -> None:
         RedisLayout(self.redis_namespace)  # validates --redis-namespace
@@ -58,6 +60,7 @@ class GatewayConfig:
             (0 <= self.port <= 65535, "--port must be in [0, 65535]"),
             (self.session_ttl_s >= 0, "--session-ttl must be >= 0"),
             (self.speculative_ttl_s >= 0, "--speculative-ttl must be >= 0"),
+            (0 <= self.stream_interval <= 64, "--stream-interval must be in [0, 64] (0 = auto)"),
             (self.max_queue_per_worker >= 0, "--max-queue-per-worker must be >= 0"),
             (self.request_timeout_s > 0, "--request-timeout must be > 0"),
             (self.first_token_timeout_s > 0, "--first-token-timeout must be > 0"),

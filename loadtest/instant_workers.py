@@ -7,7 +7,8 @@ the HTTP URLs to a file once every publisher has synced. What a router in
 front of them costs is then all that is measured.
 
 Messages per token follow a real worker's: the first token alone, then one
-message per ``stream_interval`` tokens (a worker's ``--stream-interval``,
+message per ``stream_interval`` tokens (the request's ``stream_interval``,
+which the kvroute gateway sets, else the worker's ``--stream-interval``,
 default 1), the last one as soon as it is ready (``message_sizes``). A real
 worker merges further only the tokens that piled up while its own loop was
 busy sending: a router that reads slowly does not slow the sends, since the
@@ -59,7 +60,8 @@ class _InstantGrpc(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request: Any, context: Any) -> Any:
         n = max(1, request.sampling.max_tokens)
-        sizes = message_sizes(n, self.stream_interval)
+        # As a real worker: the request's stream interval (the gateway's), else its own.
+        sizes = message_sizes(n, request.stream_interval or self.stream_interval)
         sent = 0
         for size in sizes[:-1]:
             ids = [1000 + (sent + i) % 500 for i in range(size)]

@@ -236,6 +236,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         first_token_timeout_s=config.first_token_timeout_s,
         inter_token_timeout_s=config.inter_token_timeout_s,
         record_check=RecordCheck(metrics.registry, stall_s=config.engine_stall_s),
+        stream_interval=config.stream_interval,
     )
 
     def on_drop(worker_id: str) -> None:

@@ -20,13 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
 
 from contract.hashing import HashSpec
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RequestRecord, RollingStats
 from gateway.routing.index import BlockIndex
-from gateway.routing.jobs import Candidates, Job, Stream, first_chunk
+from gateway.routing.jobs import Candidates, Job, Stream, first_chunk, stream_interval
 from gateway.routing.load import GatewayLoad, router_view
 from gateway.routing.mirror import IndexMirror
 from gateway.routing.mirror_state import WorkerEntry
@@ -34,7 +33,7 @@ from gateway.routing.record_check import RecordCheck
 from gateway.routing.replicas import ReplicaSync
 from gateway.routing.router import Decision, Router, RouteRequest, WorkerState
 from gateway.routing.sessions import SessionMap
-from gateway.upstream.base import Chunk, Generation, Upstream, UpstreamCall, UpstreamError
+from gateway.upstream.base import Chunk, Upstream, UpstreamCall, UpstreamError
 from openai_api.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -64,6 +63,7 @@ class Dispatcher:
         first_token_timeout_s: float = 60.0,
         inter_token_timeout_s: float = 30.0,
         record_check: RecordCheck | None = None,
+        stream_interval: int = 0,
     ) -> None:
         self.mirror = mirror
         self.index = index
@@ -76,6 +76,8 @@ class Dispatcher:
         self.max_queue_per_worker = max_queue_per_worker
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
+        self.stream_interval = stream_interval  # 0 = by how many streams are open
+        self.open_streams = 0  # requests this gateway has in flight, on any worker
         self.first_token_timeout_s = first_token_timeout_s
         self.inter_token_timeout_s = inter_token_timeout_s
         self.record_check = record_check or RecordCheck(metrics.registry, stall_s=5.0)
@@ -233,22 +235,20 @@ class Dispatcher:
             load = self.loads.setdefault(wid, GatewayLoad())
             uncached = len(job.prompt_ids) - predicted
             load.inflight += 1
+            self.open_streams += 1
             load.pending += 1
             load.pending_prefill_tokens += uncached
             if self.replicas is not None:
                 self.replicas.routed(wid, chain, job.session_key)
-            generation = job.generation
-            if not job.max_tokens_fixed and entry.record.max_model_len > 0:
-                budget = entry.record.max_model_len - len(job.prompt_ids)
-                generation = replace(generation, max_tokens=min(generation.max_tokens, budget))
-            if attempt:
-                generation = _retry_of(generation, attempt)
+            interval = stream_interval(self.stream_interval, self.open_streams)
+            generation = job.for_worker(entry.record.max_model_len, attempt, interval)
             upstream = self.upstreams[getattr(entry.record, "transport", "") or DEFAULT_TRANSPORT]
             call = upstream.start(wid, entry.record.address, generation, max(0.001, deadline - now))
             try:
                 first = await self._first_chunk(wid, call)
             except UpstreamError as exc:
                 load.inflight -= 1
+                self.open_streams -= 1
                 if not exc.retryable:
                     raise exc.api_error from exc
                 logger.warning(
@@ -264,6 +264,7 @@ class Dispatcher:
             except BaseException:
                 call.cancel()
                 load.inflight -= 1
+                self.open_streams -= 1
                 raise
             finally:
                 load.pending -= 1
@@ -329,6 +330,7 @@ class Dispatcher:
         wid = stream.worker_id
         load = self.loads.setdefault(wid, GatewayLoad())
         load.inflight = max(0, load.inflight - 1)
+        self.open_streams = max(0, self.open_streams - 1)
         load.finished += 1
         if self.replicas is not None:
             self.replicas.load_changed()
@@ -390,7 +392,3 @@ class Dispatcher:
                 task.cancel()
                 call.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-
-
-def _retry_of(g: Generation, attempt: int) -> Generation:
-    return replace(g, request_id=f"{g.request_id}-{attempt}")

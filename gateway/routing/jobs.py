@@ -10,14 +10,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from gateway.edge.auth import Tenant
 from gateway.routing.mirror_state import WorkerEntry
 from gateway.text.prefix_tokens import Prompt
 from gateway.upstream.base import Chunk, Generation, UpstreamCall, UpstreamError
 from openai_api.errors import APIError
+
+# Auto stream interval: one more token per worker message for every this many
+# streams the gateway relays, up to MAX_AUTO_INTERVAL. Relaying costs CPU per
+# message (a gRPC read, a detokenizer push, an SSE write), not per token.
+STREAMS_PER_STEP = 8
+MAX_AUTO_INTERVAL = 8
 
 if TYPE_CHECKING:
     from gateway.routing.dispatch import Dispatcher
@@ -42,6 +48,19 @@ class Job:
     @property
     def prompt_ids(self) -> list[int]:
         return self.prompt.ids
+
+    def for_worker(self, max_model_len: int, attempt: int, stream_interval: int) -> Generation:
+        """The generation as sent to one worker, on the ``attempt``-th try (0 = first)."""
+        g = self.generation
+        changes: dict[str, Any] = {}
+        if not self.max_tokens_fixed and max_model_len > 0:
+            # Unset max_tokens: what this worker's context leaves after the prompt.
+            changes["max_tokens"] = min(g.max_tokens, max_model_len - len(self.prompt_ids))
+        if attempt:
+            changes["request_id"] = f"{g.request_id}-{attempt}"
+        if stream_interval != g.stream_interval:
+            changes["stream_interval"] = stream_interval
+        return replace(g, **changes) if changes else g
 
 
 @dataclass(frozen=True)
@@ -120,3 +139,16 @@ async def first_chunk(call: UpstreamCall) -> Chunk:
             )
         if chunk.token_ids or chunk.finished:
             return chunk
+
+
+def stream_interval(fixed: int, open_streams: int) -> int:
+    """Tokens per worker message for the next request (``--stream-interval``; 0 = auto).
+
+    Auto keeps token-by-token streaming while the gateway is lightly loaded
+    and, as it relays more streams, asks workers for fewer, larger messages:
+    1 up to 15 open streams, 2 from 16, ... 8 from 64. The first token always
+    goes at once, so TTFT does not change.
+    """
+    if fixed > 0:
+        return fixed
+    return max(1, min(MAX_AUTO_INTERVAL, open_streams // STREAMS_PER_STEP))

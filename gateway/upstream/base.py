@@ -40,6 +40,7 @@ class Generation:
     logprobs: int | None = None  # None: off; k: each token's logprob and the top k
     json_schema: str | None = None  # response_format: the JSON schema the output follows
     grammar: str | None = None  # a forced tool call: the Lark grammar the output follows
+    stream_interval: int = 0  # tokens per worker message after the first (0: the worker's)
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,7 @@ def _request(g: Generation) -> worker_pb2.GenerateRequest:
         prompt_token_ids=list(g.prompt_ids),
         sampling=sampling,
         cache_salt=g.cache_salt,
+        stream_interval=g.stream_interval,
     )
 
 

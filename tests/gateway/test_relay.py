@@ -143,3 +143,33 @@ async def test_one_token_messages_are_one_event_each(gateway: Harness) -> None:
     texts = [c["delta"]["content"] for c in _content(events)]
     assert "".join(texts) == "Hello 世界!"
     assert len(texts) <= len(worker.reply_ids) - 1  # a split character waits for its rest
+
+
+def test_auto_stream_interval_grows_with_the_open_streams() -> None:
+    from gateway.routing.jobs import stream_interval
+
+    assert [stream_interval(0, n) for n in (0, 1, 15, 16, 31, 32, 63, 64, 500)] == [
+        1, 1, 1, 2, 3, 4, 7, 8, 8,
+    ]  # fmt: skip
+    assert stream_interval(3, 500) == stream_interval(3, 0) == 3  # fixed by --stream-interval
+
+
+async def test_the_gateway_asks_workers_for_its_stream_interval(
+    make_gateway: Any,
+) -> None:
+    lightly = await make_gateway()
+    worker, _ = await lightly.add_worker("w0", reply=REPLY)
+    assert (await lightly.chat(HELLO)).status == 200
+    assert worker.requests[-1].stream_interval == 1  # one stream open: token by token
+    fixed = await make_gateway(stream_interval=4)
+    worker, _ = await fixed.add_worker("w1", reply=REPLY)
+    resp = await fixed.chat(HELLO, stream=True)
+    assert resp.status == 200, await resp.text()
+    assert "[DONE]" in await resp.text()
+    assert worker.requests[-1].stream_interval == 4
+    # 24 streams held open on one gateway: the next request asks for 3 tokens a message.
+    fixed.state.dispatcher.stream_interval = 0
+    fixed.state.dispatcher.open_streams = 24
+    assert (await fixed.chat(HELLO)).status == 200
+    assert worker.requests[-1].stream_interval == 3
+    fixed.state.dispatcher.open_streams = 0

@@ -111,12 +111,15 @@ class Stack:
         self.engine.shutdown()
         await self.redis.aclose()
 
-    async def generate(self, prompt: list[int], max_tokens: int = 4, **kw) -> list:
+    async def generate(
+        self, prompt: list[int], max_tokens: int = 4, stream_interval: int = 0, **kw
+    ) -> list:
         sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **kw}
         request = pb.GenerateRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=prompt,
             sampling=pb.SamplingParams(**sampling),
+            stream_interval=stream_interval,
         )
         return [chunk async for chunk in self.stub.Generate(request)]
 

@@ -42,6 +42,20 @@ async def test_logprobs_chunks_carry_one_logprob_per_token(stack: Stack) -> None
             assert lp.logprob <= 0 and len(lp.top_ids) == len(lp.top_logprobs) == 2
 
 
+async def test_a_request_asks_for_fewer_larger_messages(stack: Stack) -> None:
+    # The gateway's stream interval: the first token alone (TTFT), then 4 at a time,
+    # the last as soon as it is ready; the same tokens as one message per token.
+    prompt = random_ids(30, 12)
+    coarse = await stack.generate(prompt, max_tokens=10, stream_interval=4)
+    fine = await stack.generate(prompt, max_tokens=10)
+    sizes = [len(c.token_ids) for c in coarse]
+    # (A loaded machine may merge more: the first may carry 2, a middle one more than 4.)
+    assert sum(sizes) == 10 and all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 4, sizes
+    assert len(fine) > len(coarse)
+    assert [t for c in coarse for t in c.token_ids] == [t for c in fine for t in c.token_ids]
+    assert coarse[-1].finished and coarse[-1].usage.completion_tokens == 10
+
+
 async def test_a_second_grpc_server_on_a_used_port_fails(stack: Stack) -> None:
     # No SO_REUSEPORT: a twin on the same port would silently share the first one's traffic.
     twin = WorkerService(stack.engine, worker_id="twin")

@@ -169,14 +169,16 @@ class Engine:
         *,
         cache_salt: str = "",
         lora: str = "",
+        stream_interval: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs, the last ``finished``.
 
         Each output carries every token that is ready when the caller asks for
         the next one: a caller that keeps up gets one output per step, a slow
         one (its previous message still being sent) fewer, larger ones, merged
-        by ``merge_outputs``. With ``stream_interval`` N > 1 an output waits
-        until it holds N tokens, except the first (TTFT) and the last.
+        by ``merge_outputs``. With ``stream_interval`` N > 1 (this request's,
+        else the engine's) an output waits until it holds N tokens, except the
+        first (TTFT) and the last.
         Raises ``ValueError`` for bad input before anything is queued.
         Closing or cancelling the iterator aborts the request and frees its
         blocks. Stop tokens (EOS, ``stop_token_ids``) are included in the
@@ -191,7 +193,7 @@ class Engine:
                 self.grammars.matcher, params.json_schema, params.grammar
             )
         self._check_running()
-        stream = OutputStream(asyncio.get_running_loop(), self.stream_interval)
+        stream = OutputStream(asyncio.get_running_loop(), stream_interval or self.stream_interval)
         with self._queues_lock:
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in flight")
