@@ -121,11 +121,15 @@ def test_gateway_deployment_flags_probes_and_scaling() -> None:
         "--balance-factor",
         "--recompute-weight",
         "--session-ttl",
+        "--stream-interval",
+        "--replica-sync",
         "--max-queue-per-worker",
         "--log-level",
         "--grpc-token-file",
     }
     assert config["KVROUTE_POLICY"] == "kvroute" and config["KVROUTE_PORT"] == "8000"
+    # Replicas share routing and relay streams at the auto interval unless told otherwise.
+    assert (config["KVROUTE_STREAM_INTERVAL"], config["KVROUTE_REPLICA_SYNC"]) == ("0", "true")
     assert gateway["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert gateway["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert gateway["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
