@@ -8,6 +8,7 @@ import pytest
 
 from gateway.routing.router import (
     FILL_TIE,
+    TIE_ABSOLUTE_S,
     TIE_RELATIVE,
     Decision,
     Router,
@@ -282,7 +283,7 @@ def _reference_choice(router: Router, request: RouteRequest, ws: list[WorkerStat
     holder_fill = min(fills) if fleet > 0 and fills else None
     cost = {w.worker_id: router.score(request, w, fleet, holder_fill) for w in ws}
     best = min(cost[w.worker_id] for w in eligible)
-    tied = [w for w in eligible if cost[w.worker_id] <= best * (1 + TIE_RELATIVE)]
+    tied = [w for w in eligible if cost[w.worker_id] <= best * (1 + TIE_RELATIVE) + TIE_ABSOLUTE_S]
     if request.session_worker in {w.worker_id for w in tied} and len(tied) > 1:
         return request.session_worker
     known = [w.cache_fill for w in tied if w.cache_fill is not None]
