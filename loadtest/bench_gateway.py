@@ -24,20 +24,17 @@ from typing import Any
 from contract.hashing import HashSpec, block_hashes
 from contract.redis_layout import RedisLayout, WorkerRecord
 from gateway.edge.auth import ANONYMOUS
-from gateway.observe.metrics import GatewayMetrics
-from gateway.observe.window_stats import RollingStats
 from gateway.routing.dispatch import Dispatcher
 from gateway.routing.index import BlockIndex
 from gateway.routing.jobs import Job
 from gateway.routing.mirror import IndexMirror
 from gateway.routing.mirror_state import WorkerEntry
-from gateway.routing.router import Router, RouterConfig
 from gateway.routing.sessions import SessionMap
 from gateway.text.prefix_tokens import Prompt
 from gateway.text.tokenizer import ChatTokenizer
 from gateway.text.tokenizer_folder import resolve_model_dir
 from gateway.upstream.grpc_worker import GrpcUpstream
-from loadtest.scale_dispatcher import greedy_generation
+from loadtest.scale_dispatcher import greedy_generation, standalone_dispatcher
 from openai_api.requests import parse_chat
 
 _WORDS = [
@@ -117,18 +114,8 @@ def _dispatcher(spec: HashSpec, workers: int) -> Dispatcher:
         )
         mirror.workers[wid] = WorkerEntry(record=record, spec=spec, loaded=True)
         index.add(wid, [])
-    return Dispatcher(
-        mirror=mirror,
-        index=index,
-        router=Router(RouterConfig()),
-        upstreams={"grpc": GrpcUpstream()},
-        sessions=SessionMap(600.0),
-        metrics=GatewayMetrics(),
-        stats=RollingStats(),
-        speculative_ttl_s=2.0,
-        max_queue_per_worker=0,
-        request_timeout_s=60.0,
-        max_retries=2,
+    return standalone_dispatcher(
+        mirror, index, upstreams={"grpc": GrpcUpstream()}, sessions=SessionMap(600.0)
     )
 
 

@@ -60,19 +60,23 @@ def fleet_dispatcher(index: BlockIndex, ids: list[str], loads: dict[str, int]) -
         for w in ids
     }
     mirror: Any = type("Mirror", (), {"workers": workers, "no_worker_hint": lambda self: ""})()
-    return Dispatcher(
-        mirror=mirror,
-        index=index,
-        router=Router(RouterConfig()),
-        upstreams={},
-        sessions=SessionMap(60.0),
-        metrics=GatewayMetrics(),
-        stats=RollingStats(),
-        speculative_ttl_s=2.0,
-        max_queue_per_worker=0,
-        request_timeout_s=60.0,
-        max_retries=2,
-    )
+    return standalone_dispatcher(mirror, index)
+
+
+def standalone_dispatcher(mirror: Any, index: BlockIndex, **overrides: Any) -> Dispatcher:
+    """A ``Dispatcher`` with no app around it (benchmarks, tests): defaults, then ``overrides``."""
+    parts: dict[str, Any] = {
+        "router": Router(RouterConfig()),
+        "upstreams": {},
+        "sessions": SessionMap(60.0),
+        "metrics": GatewayMetrics(),
+        "stats": RollingStats(),
+        "speculative_ttl_s": 2.0,
+        "max_queue_per_worker": 0,
+        "request_timeout_s": 60.0,
+        "max_retries": 2,
+    }
+    return Dispatcher(mirror=mirror, index=index, **{**parts, **overrides})
 
 
 def greedy_generation(request_id: str, prompt_ids: list[int], max_tokens: int = 16) -> Generation:

@@ -198,14 +198,10 @@ def test_simulator_sees_load_exactly_as_the_dispatcher(
 ) -> None:
     """Same heartbeat, same finishes since, same pending work: the same ``WorkerState``."""
     from contract.redis_layout import RedisLayout, WorkerRecord
-    from gateway.observe.metrics import GatewayMetrics
-    from gateway.observe.window_stats import RollingStats
-    from gateway.routing.dispatch import Dispatcher
     from gateway.routing.index import BlockIndex
     from gateway.routing.mirror import IndexMirror
     from gateway.routing.mirror_state import WorkerEntry
-    from gateway.routing.router import Router, RouterConfig
-    from gateway.routing.sessions import SessionMap
+    from loadtest.scale_dispatcher import standalone_dispatcher
 
     index = BlockIndex()
     mirror = IndexMirror("redis://unused", RedisLayout("t"), index)
@@ -219,18 +215,8 @@ def test_simulator_sees_load_exactly_as_the_dispatcher(
         updated_at=123.0,
     )
     entry = WorkerEntry(record=record, spec=HashSpec(10, "m"), loaded=True)
-    dispatcher = Dispatcher(
-        mirror=mirror,
-        index=index,
-        router=Router(RouterConfig()),
-        upstreams={},
-        sessions=SessionMap(60.0),
-        metrics=GatewayMetrics(),
-        stats=RollingStats(),
-        speculative_ttl_s=0.0,
-        max_queue_per_worker=0,
-        request_timeout_s=1.0,
-        max_retries=0,
+    dispatcher = standalone_dispatcher(
+        mirror, index, speculative_ttl_s=0.0, request_timeout_s=1.0, max_retries=0
     )
     dispatcher.state(entry, 0)  # the gateway sees this heartbeat ...
     load = dispatcher.loads["w0"]
