@@ -17,8 +17,30 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.fleet import Fleet
+from loadtest.fleet import Fleet, FleetConfig
 from tests.support import wait_until
+
+# Heartbeats every 0.5 s with a 2 s TTL: a stopped or dead worker leaves the fleet in seconds.
+HEARTBEAT_TTL = 2.0
+
+
+def fault_fleet_config(
+    model: Any, redis_url: str, namespace: str, workers: int, log_dir: str
+) -> FleetConfig:
+    """The small, fast-heartbeat fleet the fault tests (Redis trouble, killed workers) run."""
+    return FleetConfig(
+        model=str(model),
+        workers=workers,
+        redis_url=redis_url,
+        namespace=namespace,
+        num_blocks=512,
+        max_num_seqs=4,
+        heartbeat_interval=0.5,
+        heartbeat_ttl=HEARTBEAT_TTL,
+        log_dir=log_dir,
+        gateway_args=("--log-level", "warning"),
+    )
+
 
 _BLOCKS = re.compile(r'^kvroute_worker_blocks\{[^}]*state="(\w+)"[^}]*\}\s+(\S+)$', re.M)
 _BLOCK_GAUGES = {

@@ -20,11 +20,13 @@ import pytest
 import redis
 
 from contract.redis_layout import RedisLayout, decode_block_set
-from loadtest.fleet import Fleet, FleetConfig
+from loadtest.fleet import Fleet
 from tests.reliability.fleetkit import (
+    HEARTBEAT_TTL,
     all_blocks_free,
     call,
     dashboard,
+    fault_fleet_config,
     model_name,
     stream,
     wait_for,
@@ -36,7 +38,6 @@ from tests.support import RedisProcess
 
 pytestmark = pytest.mark.slow
 
-HEARTBEAT_TTL = 2.0
 NAMESPACE = "kvfaults"
 SYSTEM = "You are a careful assistant for the reliability suite. " * 6
 
@@ -54,17 +55,8 @@ def redis_server() -> Iterator[RedisProcess]:
 def fleet(
     tiny_llama: Path, redis_server: RedisProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Fleet]:
-    config = FleetConfig(
-        model=str(tiny_llama),
-        workers=3,
-        redis_url=redis_server.url,
-        namespace=NAMESPACE,
-        num_blocks=512,
-        max_num_seqs=4,
-        heartbeat_interval=0.5,
-        heartbeat_ttl=HEARTBEAT_TTL,
-        log_dir=str(tmp_path_factory.mktemp("faults-logs")),
-        gateway_args=("--log-level", "warning"),
+    config = fault_fleet_config(
+        tiny_llama, redis_server.url, NAMESPACE, 3, str(tmp_path_factory.mktemp("faults-logs"))
     )
     with Fleet(config) as f:
         yield f

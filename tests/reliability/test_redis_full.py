@@ -21,15 +21,23 @@ import pytest
 import redis
 
 from contract.redis_layout import RedisLayout, decode_block_set
-from loadtest.fleet import Fleet, FleetConfig
-from tests.reliability.fleetkit import call, dashboard, model_name, stream, wait_for, worker_blocks
+from loadtest.fleet import Fleet
+from tests.reliability.fleetkit import (
+    HEARTBEAT_TTL,
+    call,
+    dashboard,
+    fault_fleet_config,
+    model_name,
+    stream,
+    wait_for,
+    worker_blocks,
+)
 from tests.support import RedisProcess, fill_redis, make_room
 
 pytestmark = pytest.mark.slow
 
 NAMESPACE = "kvfull"
 MAXMEMORY = "2mb"
-HEARTBEAT_TTL = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +55,8 @@ def redis_server() -> Iterator[RedisProcess]:
 def fleet(
     tiny_llama: Path, redis_server: RedisProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Fleet]:
-    config = FleetConfig(
-        model=str(tiny_llama),
-        workers=2,
-        redis_url=redis_server.url,
-        namespace=NAMESPACE,
-        num_blocks=512,
-        max_num_seqs=4,
-        heartbeat_interval=0.5,
-        heartbeat_ttl=HEARTBEAT_TTL,
-        log_dir=str(tmp_path_factory.mktemp("full-logs")),
-        gateway_args=("--log-level", "warning"),
+    config = fault_fleet_config(
+        tiny_llama, redis_server.url, NAMESPACE, 2, str(tmp_path_factory.mktemp("full-logs"))
     )
     with Fleet(config) as f:
         yield f
