@@ -46,7 +46,7 @@ The ``kvroute`` policy, step by step:
    a 10k-token match on a 10.1k-token prompt is worth keeping together. Without
    it, requests sharing only a short prefix piled onto that prefix's holders
    (the 500-request Mooncake replay of ``bench_peers`` on 16 emulated workers:
-   hit rate 0.131 over four runs, 0.147 with it; sglang-router 0.157). Tokens
+   hit rate 0.131 over four runs, 0.148 over five with it; sglang-router 0.157). Tokens
    no worker holds cost the same everywhere and are not weighted.
    docs/ROUTING.md has the sweep behind each rule.
 4. Workers within ``TIE_RELATIVE`` (plus ``TIE_ABSOLUTE_S``) of the best score are tied: the
@@ -350,6 +350,8 @@ class Router:
 
     def _above_mask(self, values: np.ndarray, slack: float, extra: float = 0.0) -> np.ndarray:
         mean = (float(values.sum()) + extra) / len(values)
+        # On a small fleet a factor of 2 lets one worker hold most of the queue
+        # (all of it on two workers): cap it at half, or three quarters on two.
         factor = min(self.config.balance_factor, max(1.5, len(values) / 2))
         limit = max(factor * mean, mean + slack)
         return values + extra > limit
