@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import torch
 
@@ -82,9 +83,10 @@ def test_chat_logprobs_streamed_equal_unstreamed(pair: Pair) -> None:
     for chunk in client.chat.completions.create(**args, stream=True):
         if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
             streamed.extend(chunk.choices[0].logprobs.content)
-    assert [(c.token, round(c.logprob, 4)) for c in streamed] == [
-        (c.token, round(c.logprob, 4)) for c in content
-    ]
+    # The streamed run reads the first one's cached blocks, so its float sums run in a
+    # different order: the same tokens, log-probabilities equal to ~1e-5.
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-3)
     assert "".join(c.token for c in content) == whole.choices[0].message.content
 
 
@@ -163,18 +165,19 @@ def test_response_format_json_schema_through_the_gateway(pair: Pair) -> None:
         "required": ["ok", "n"],
         "additionalProperties": False,
     }
-    for seed in range(3):
+    # 20 different prompts (issue 15's acceptance), sampled at temperature 1: the random
+    # weights would wander anywhere, so every valid answer is the grammar's doing.
+    for n in range(20):
         out = pair.client().chat.completions.create(
             model=pair.name,
-            messages=[{"role": "user", "content": "Answer in JSON"}],
+            messages=[
+                {"role": "user", "content": f"Question {n}: answer in JSON, {'please ' * n}"}
+            ],
             max_tokens=48,
             temperature=1.0,
-            seed=seed,
+            seed=n,
             response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
         )
         content = out.choices[0].message.content or ""
         assert out.choices[0].finish_reason == "stop", content
-        value = json.loads(content)
-        assert (
-            set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and value["n"] in (1, 2, 3)
-        )
+        jsonschema.validate(json.loads(content), schema)
