@@ -139,12 +139,15 @@ async def bench_throughput(engine: Any, prompts: list[list[int]], new_tokens: in
 async def run_engine_part(cfg: BenchConfig) -> tuple[dict, dict, dict]:
     from contract.hashing import HashSpec
     from worker.engine.thread import Engine, EngineConfig
+    from worker.engine.torch_thread import TorchThread
     from worker.model.runner import ModelRunner
 
     per_prompt = math.ceil((cfg.prompt_tokens + 1) / cfg.block_size)
     per_tput = math.ceil((cfg.throughput_prompt_tokens + cfg.new_tokens) / cfg.block_size)
     num_blocks = max(3 * per_prompt, cfg.concurrency * per_tput) + 16
-    runner = ModelRunner(
+    torch_thread = TorchThread()  # load and step on one thread, as the worker does
+    runner = await torch_thread.run(
+        ModelRunner,
         cfg.model,
         device=cfg.device,
         dtype=cfg.dtype,
@@ -156,7 +159,7 @@ async def run_engine_part(cfg: BenchConfig) -> tuple[dict, dict, dict]:
         EngineConfig(max_num_seqs=max(cfg.concurrency, 8), max_batch_tokens=cfg.max_batch_tokens),
         hash_spec=HashSpec(block_size=cfg.block_size, model=runner.model_name),
     )
-    engine.start()
+    engine.start(on=torch_thread)
     try:
         # Warm-up: first-call costs (allocator, kernels) must not land on the cold TTFT.
         await run_request(engine, "warmup", random_prompt(runner.vocab_size, 64, cfg.seed), 4)

@@ -37,6 +37,7 @@ from worker.engine.core import EngineCore
 from worker.engine.output_stream import OutputStream, merge_outputs
 from worker.engine.sequence import RequestTimings, SamplingParams
 from worker.engine.sequence import Sequence as Seq
+from worker.engine.torch_thread import TorchThread
 from worker.engine.types import (
     EngineConfig,
     EngineError,
@@ -105,28 +106,33 @@ class Engine:
         self._queues_lock = threading.Lock()
         self._queues: dict[str, OutputStream] = {}
         self._pin_results: dict[str, concurrent.futures.Future[int]] = {}
-        self._thread: threading.Thread | None = None
+        self._started = False
+        self._loop_done = threading.Event()  # set when the step loop has returned
         self._stopped = False
         self.grammars: Any = None  # logits_processors.Grammars, set by the server (optional)
         self._beat = time.monotonic()  # last time the engine thread went round its loop
 
     # -- lifecycle -------------------------------------------------------
 
-    def start(self) -> None:
-        """Starts the engine thread (once)."""
-        if self._thread is not None:
+    def start(self, on: TorchThread | None = None) -> None:
+        """Starts the step loop (once): on a thread of its own, or on ``on``, the thread
+        that loaded the model (``worker.engine.torch_thread`` says why that matters)."""
+        if self._started:
             raise RuntimeError("engine already started")
-        self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
-        self._thread.start()
+        self._started = True
+        if on is not None:
+            on.submit(self._loop)
+        else:
+            threading.Thread(target=self._loop, name="kvroute-engine", daemon=True).start()
 
     def shutdown(self) -> None:
         """Stops the thread after its current step and finishes every request with ``abort``."""
-        if self._thread is None or self._stopped:
+        if not self._started or self._stopped:
             self._stopped = True
             return
         self._stopped = True
         self._commands.put(None)
-        self._thread.join()
+        self._loop_done.wait()
         # The thread is gone, so this thread owns the state now: run what was still queued
         # (so no caller of pin_prefix & co. waits forever), then end every sequence.
         while True:
@@ -148,7 +154,7 @@ class Engine:
 
     def health(self, stall_s: float) -> str | None:
         """Why the engine cannot serve (dead thread, no step for ``stall_s``), or None."""
-        if self._thread is None or self._stopped or not self._thread.is_alive():
+        if not self._started or self._stopped or self._loop_done.is_set():
             return "the engine thread is not running"
         age = self.step_age_s()
         if age > stall_s:
@@ -255,6 +261,12 @@ class Engine:
 
     # -- engine thread ---------------------------------------------------
 
+    def _loop(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._loop_done.set()
+
     def _run(self) -> None:
         while True:
             self._beat = time.monotonic()
@@ -340,7 +352,7 @@ class Engine:
     # -- helpers (any thread) --------------------------------------------
 
     def _check_running(self) -> None:
-        if self._thread is None or self._stopped:
+        if not self._started or self._stopped:
             raise RuntimeError("the engine is not running (call start())")
 
     def _submit(self, command: _Command) -> None:
@@ -349,7 +361,7 @@ class Engine:
 
     def _post(self, command: _Command) -> bool:
         """Like ``_submit`` for best-effort commands (aborts): ``False`` once stopped."""
-        if self._thread is None or self._stopped:
+        if not self._started or self._stopped:
             return False
         self._commands.put(command)
         return True

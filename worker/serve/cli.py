@@ -21,6 +21,7 @@ from typing import Any
 
 from contract.hashing import HashSpec
 from contract.redis_layout import WorkerRecord
+from worker.engine.torch_thread import TorchThread
 from worker.serve.config import WorkerConfig, config_from_args
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class WorkerProcess:
 
             tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_dir))
         sampler = None
+        torch_thread: TorchThread | None = None
         if cfg.engine == "emulated":
             from worker.model import emulated
 
@@ -91,7 +93,9 @@ class WorkerProcess:
         else:
             from worker.model.runner import ModelRunner
 
-            runner = await asyncio.to_thread(
+            # Loaded on the thread that will step it (worker.engine.torch_thread).
+            torch_thread = TorchThread()
+            runner = await torch_thread.run(
                 ModelRunner,
                 model_dir,
                 device=cfg.device,
@@ -120,7 +124,7 @@ class WorkerProcess:
             from worker.model.logits_processors import Grammars
 
             self.engine.grammars = Grammars(model_dir)  # response_format, built on first use
-        self.engine.start()
+        self.engine.start(on=torch_thread)
         metrics = WorkerMetrics(
             self.engine, cfg.worker_id, cfg.served_model_name if cfg.vllm_metrics else None
         )
