@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -78,6 +79,14 @@ def _parse_device(device: str) -> torch.device:
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device!r}: CUDA is not available on this host")
     return parsed
+
+
+@dataclass
+class _WarmUpChunk:
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    need_logits: bool
 
 
 class ModelRunner:
@@ -184,6 +193,28 @@ class ModelRunner:
                 "%d KV blocks cannot hold one %d-token sequence", blocks, self.max_model_len
             )
         return int(blocks)
+
+    def warm_up(self, num_tokens: int) -> int:
+        """One throwaway prefill of up to ``num_tokens`` (capped by the cache and context)
+        before serving, as vLLM's profile run does: oneDNN builds its kernels for those
+        shapes and the allocator reaches its high-water mark (``worker.model.host_memory``)
+        on this step instead of the first request's. Returns the tokens it ran.
+
+        It first writes every page of the KV cache: ``torch.zeros`` on CPU maps lazily
+        zeroed pages, and each block's first use would otherwise fault its 1.5 MB
+        (SmolLM2, block 32) during a request. Its K/V lands in blocks the pool has not
+        handed out yet, and it hashes nothing, so no cached block changes.
+        """
+        for layer in self.kv:
+            for tensor in (layer.k, layer.v, layer.k_scale, layer.v_scale):
+                if tensor is not None:
+                    tensor.zero_()
+        n = min(num_tokens, self.max_model_len, self.num_blocks * self.block_size)
+        if n < 1:
+            return 0
+        table = list(range(-(-n // self.block_size)))
+        self.execute([_WarmUpChunk([0] * n, 0, table, True)])
+        return n
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[Chunk]) -> torch.Tensor:

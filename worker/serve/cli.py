@@ -105,6 +105,12 @@ class WorkerProcess:
                 memory_fraction=cfg.memory_fraction,
                 kv_cache_dtype=cfg.kv_cache_dtype,
             )
+            if runner.device.type == "cpu":
+                from worker.model.host_memory import keep_freed_heap
+
+                keep_freed_heap()
+            warmed = await torch_thread.run(runner.warm_up, cfg.max_batch_tokens)
+            logger.info("warm-up prefill of %d tokens done", warmed)
         spec = HashSpec(block_size=cfg.block_size, model=cfg.served_model_name)
         events = EventQueue()
         engine_config = EngineConfig(
