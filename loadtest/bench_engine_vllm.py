@@ -12,7 +12,9 @@ One client measures both the same way: token-id prompts on streaming
 a one-token response).
 
 Each round runs, on one engine and then the other (the order alternates
-between rounds, so neither always runs on the warmer machine):
+between rounds, so neither always runs on the warmer machine; the engine not
+being measured is SIGSTOPped meanwhile, so its idle polling takes nothing
+from the one that is):
 
 1. TTFT cold: a fresh ``--prompt-tokens`` prompt, one token out;
 2. TTFT hit: a sibling sharing its first ``--shared-tokens`` tokens, then the
@@ -106,7 +108,18 @@ class Server:
             await asyncio.sleep(1.0)
         raise TimeoutError(f"{self.name} not healthy in {timeout:.0f}s:\n{self.tail()}")
 
+    def pause(self) -> None:
+        """SIGSTOP the server's process group: an idle vLLM still polls (~13 % of a core
+        here), which on two cores would be taken from whichever engine is measured."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
+        self.resume()  # a stopped process would not act on SIGTERM
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
         try:
@@ -278,6 +291,13 @@ async def measure(cfg: AgainstConfig, model_dir: Path, vocab: int, logs: Path) -
                 prompts = round_prompts(cfg, vocab, r)
                 order = list(servers) if r % 2 == 0 else list(reversed(servers))
                 for name in order:
+                    # Only the measured engine runs; the other is frozen (see Server.pause).
+                    for other, server in servers.items():
+                        if other == name:
+                            server.resume()
+                        else:
+                            server.pause()
+                    await asyncio.sleep(1.0)  # let the frozen one's last work drain off the cores
                     out = await one_round(session, servers[name].url, models[name], prompts, cfg)
                     results[name].append(out)
                     logger.warning(

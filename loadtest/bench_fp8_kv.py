@@ -18,8 +18,12 @@ JSON object:
   dtype, the floor any 8-bit cache is measured against;
 - ``kv_bytes_per_token`` for each cache; ``target_met``: ``agreement >= --target``.
 
+With ``--against vllm``, ``vllm`` holds the same figures for vLLM's own fp8
+cache against its unquantized one (``loadtest.bench_fp8_kv_vllm``), and
+``auto_vs_kvroute_auto``: how many of vLLM's unquantized tokens equal kvroute's.
+
 Usage: ``python -m loadtest.bench_fp8_kv [--model smollm2] [--dtype float32]
-[--prompts 20] [--new-tokens 256]``.
+[--prompts 20] [--new-tokens 256] [--against vllm]``.
 """
 
 from __future__ import annotations
@@ -85,11 +89,14 @@ async def generate_all(
     from contract.hashing import HashSpec
     from loadtest.bench_engine import run_request
     from worker.engine.thread import Engine, EngineConfig
+    from worker.engine.torch_thread import TorchThread
     from worker.model.runner import ModelRunner
 
     block_size = 16
     per_seq = -(-(max(map(len, prompts)) + new_tokens) // block_size)
-    runner = ModelRunner(
+    torch_thread = TorchThread()  # load and step on one thread, as the worker does
+    runner = await torch_thread.run(
+        ModelRunner,
         model,
         dtype=dtype,
         block_size=block_size,
@@ -101,7 +108,7 @@ async def generate_all(
         EngineConfig(max_num_seqs=len(prompts), max_batch_tokens=4096),
         hash_spec=HashSpec(block_size=block_size, model=runner.model_name),
     )
-    engine.start()
+    engine.start(on=torch_thread)
     try:
         results = await asyncio.gather(
             *(run_request(engine, f"p{i}", p, new_tokens) for i, p in enumerate(prompts))
@@ -157,6 +164,24 @@ def compare(reference: list[list[int]], other: list[list[int]], n: int) -> dict[
     }
 
 
+def vllm_agreement(
+    args: argparse.Namespace, prompts: list[list[int]], kvroute_ref: list[list[int]]
+) -> dict[str, Any]:
+    """vLLM's fp8 cache against vLLM's unquantized one, measured as kvroute's is; and
+    how far vLLM's unquantized outputs agree with kvroute's (the two references)."""
+    from loadtest.bench_fp8_kv_vllm import vllm_outputs
+    from worker.model.store import resolve_model
+
+    model_dir = resolve_model(args.model)
+    auto = asyncio.run(vllm_outputs(model_dir, args.dtype, "auto", prompts, args.new_tokens))
+    fp8 = asyncio.run(vllm_outputs(model_dir, args.dtype, "fp8", prompts, args.new_tokens))
+    return {
+        "kv_cache_dtype": "fp8 (vLLM CPU, e4m3, default scale 1.0)",
+        **compare(auto, fp8, args.new_tokens),
+        "auto_vs_kvroute_auto": compare(kvroute_ref, auto, args.new_tokens)["agreement"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
@@ -164,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--target", type=float, default=0.90)
+    parser.add_argument(
+        "--against",
+        choices=["vllm"],
+        help="also run vLLM (from .venv-vllm) with kv auto and fp8 on the same prompts",
+    )
     args = parser.parse_args(argv)
     if args.new_tokens < 1:
         raise ValueError(f"--new-tokens {args.new_tokens}: must be >= 1")
@@ -193,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "kv_bytes_per_token": {"auto": ref_bytes, "fp8": fp8_bytes, "bfloat16": bf16_bytes},
     }
+    if args.against == "vllm":
+        result["vllm"] = vllm_agreement(args, prompts, ref)
     result["target"] = args.target
     result["target_met"] = result["agreement"] >= args.target
     print(json.dumps(result, indent=2))  # the benchmark's output is its JSON
