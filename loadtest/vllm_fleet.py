@@ -44,6 +44,9 @@ def vllm_python() -> Path:
     return python
 
 
+STRUCTURED_OUTPUTS = '{"backend":"guidance","disable_any_whitespace":true}'
+
+
 def vllm_args(
     model_dir: str,
     port: int,
@@ -79,6 +82,11 @@ def vllm_args(
         str(port),
         "--kv-events-config",
         events,
+        # The gateway's tool-call constraints are llguidance Lark grammars, and kvroute's
+        # own workers constrain JSON to compact whitespace: without this a small model
+        # spends a forced call's tokens on newlines (finish_reason "length").
+        "--structured-outputs-config",
+        STRUCTURED_OUTPUTS,
     ]
     if num_blocks:
         args += ["--num-gpu-blocks-override", str(num_blocks)]

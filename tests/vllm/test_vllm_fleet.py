@@ -252,6 +252,49 @@ def test_sampling_options_pass_through_to_vllm(fleet: VllmFleet) -> None:
     assert any(w.startswith("vllm-") for w in served), served
 
 
+CITY_TOOL: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_a_forced_tool_call_is_served_by_vllm(fleet: VllmFleet) -> None:
+    """A named tool_choice reaches vLLM as the gateway's grammar (``structured_outputs``)
+    and comes back as ``tool_calls`` whose arguments validate, whichever worker serves."""
+    client = openai.OpenAI(base_url=f"{fleet.gateway_url}/v1", api_key="unused")
+    model = served_model_name(fleet.model_dir)
+    served: set[str] = set()
+    for n in range(8):
+        raw = client.chat.completions.with_raw_response.create(
+            model=model,
+            messages=[{"role": "user", "content": f"Question {n}: what is the weather?"}],
+            max_tokens=48,
+            temperature=0.7,
+            seed=n,
+            tools=[CITY_TOOL],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )
+        worker = raw.headers["x-kvroute-worker"]
+        served.add(worker)
+        choice = raw.parse().choices[0]
+        assert choice.finish_reason == "tool_calls", (worker, choice)
+        (call,) = choice.message.tool_calls or []
+        assert call.function.name == "get_weather", (worker, call)
+        args = json.loads(call.function.arguments)
+        assert args in ({"city": "Paris"}, {"city": "Oslo"}, {"city": "Lima"}), (worker, args)
+        if worker.startswith("vllm-") and n >= 1:
+            break
+    assert any(w.startswith("vllm-") for w in served), served
+
+
 def _ids(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(100, 40000) for _ in range(n)]
