@@ -217,39 +217,58 @@ ANSWER_SCHEMA = {
 }
 
 
-def test_sampling_options_pass_through_to_vllm(fleet: VllmFleet) -> None:
-    """logprobs, top_logprobs, a JSON schema, penalties and a seed reach whichever worker
-    serves, vLLM included: the gateway must not drop what vLLM implements."""
+def _until_vllm_served(
+    fleet: VllmFleet,
+    question: Callable[[int], str],
+    check: Callable[[str, Any], None],
+    **options: Any,
+) -> None:
+    """Sampled chats (seed n, temperature 0.7) through the gateway, ``check(worker,
+    choice)`` on each, until a vLLM worker has served one past the first two."""
     client = openai.OpenAI(base_url=f"{fleet.gateway_url}/v1", api_key="unused")
     model = served_model_name(fleet.model_dir)
     served: set[str] = set()
     for n in range(8):
         raw = client.chat.completions.with_raw_response.create(
             model=model,
-            messages=[{"role": "user", "content": f"Topic {n}: name one cache in one word."}],
-            max_tokens=24,
+            messages=[{"role": "user", "content": question(n)}],
             temperature=0.7,
             seed=n,
-            presence_penalty=0.5,
-            logprobs=True,
-            top_logprobs=2,
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA},
-            },
+            **options,
         )
         worker = raw.headers["x-kvroute-worker"]
         served.add(worker)
-        choice = raw.parse().choices[0]
+        check(worker, raw.parse().choices[0])
+        if worker.startswith("vllm-") and n >= 2:
+            break
+    assert any(w.startswith("vllm-") for w in served), served
+
+
+def test_sampling_options_pass_through_to_vllm(fleet: VllmFleet) -> None:
+    """logprobs, top_logprobs, a JSON schema, penalties and a seed reach whichever worker
+    serves, vLLM included: the gateway must not drop what vLLM implements."""
+
+    def check(worker: str, choice: Any) -> None:
         parsed = json.loads(choice.message.content or "")
         assert set(parsed) == {"answer"} and isinstance(parsed["answer"], str), (worker, parsed)
         assert len(parsed["answer"]) <= 12, (worker, parsed)
         assert choice.logprobs is not None and choice.logprobs.content, worker
         for token in choice.logprobs.content:
             assert token.logprob <= 0.0 and len(token.top_logprobs) == 2, (worker, token)
-        if worker.startswith("vllm-") and n >= 2:
-            break
-    assert any(w.startswith("vllm-") for w in served), served
+
+    _until_vllm_served(
+        fleet,
+        lambda n: f"Topic {n}: name one cache in one word.",
+        check,
+        max_tokens=24,
+        presence_penalty=0.5,
+        logprobs=True,
+        top_logprobs=2,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA},
+        },
+    )
 
 
 CITY_TOOL: Any = {
@@ -267,32 +286,24 @@ CITY_TOOL: Any = {
 
 
 def test_a_forced_tool_call_is_served_by_vllm(fleet: VllmFleet) -> None:
-    """A named tool_choice reaches vLLM as the gateway's grammar (``structured_outputs``)
-    and comes back as ``tool_calls`` whose arguments validate, whichever worker serves."""
-    client = openai.OpenAI(base_url=f"{fleet.gateway_url}/v1", api_key="unused")
-    model = served_model_name(fleet.model_dir)
-    served: set[str] = set()
-    for n in range(8):
-        raw = client.chat.completions.with_raw_response.create(
-            model=model,
-            messages=[{"role": "user", "content": f"Question {n}: what is the weather?"}],
-            max_tokens=48,
-            temperature=0.7,
-            seed=n,
-            tools=[CITY_TOOL],
-            tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        )
-        worker = raw.headers["x-kvroute-worker"]
-        served.add(worker)
-        choice = raw.parse().choices[0]
+    """A named tool_choice reaches vLLM as the gateway's constraint and comes back as
+    ``tool_calls`` whose arguments validate, whichever worker serves."""
+
+    def check(worker: str, choice: Any) -> None:
         assert choice.finish_reason == "tool_calls", (worker, choice)
         (call,) = choice.message.tool_calls or []
         assert call.function.name == "get_weather", (worker, call)
         args = json.loads(call.function.arguments)
         assert args in ({"city": "Paris"}, {"city": "Oslo"}, {"city": "Lima"}), (worker, args)
-        if worker.startswith("vllm-") and n >= 1:
-            break
-    assert any(w.startswith("vllm-") for w in served), served
+
+    _until_vllm_served(
+        fleet,
+        lambda n: f"Question {n}: what is the weather?",
+        check,
+        max_tokens=48,
+        tools=[CITY_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
 
 
 def _ids(seed: int, n: int) -> list[int]:
