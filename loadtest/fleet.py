@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -144,18 +145,36 @@ class Fleet:
         Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
         return Path(self.config.log_dir) / f"{name}.log"
 
-    def _popen(self, name: str, cmd: list[str], cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    def _popen(
+        self,
+        name: str,
+        cmd: list[str],
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
         logger.info("starting %s: %s", name, " ".join(redact(a) for a in cmd))
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd, env=env
+        )
         assert proc.stdout is not None
         self.logs[name] = ChildLog(
             name, proc.stdout, self.log_path(name), echo_target(self.config.echo_logs)
         )
         return proc
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, args: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         cmd = [sys.executable, "-m", "kvroute_cli", *args]
-        return self._popen(name, cmd, cwd=Path(__file__).resolve().parents[1])
+        return self._popen(name, cmd, cwd=Path(__file__).resolve().parents[1], env=env)
+
+    def worker_env(self) -> dict[str, str] | None:
+        """Several workers on one host share its cores: their OpenMP threads must sleep,
+        not spin, between parallel regions (libgomp spins while it manages no more threads
+        than CPUs, which each worker alone does), or each steals the others' cores."""
+        if self.config.workers < 2 or "OMP_WAIT_POLICY" in os.environ:
+            return None
+        return {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
 
     def start_redis(self) -> None:
         binary = shutil.which("redis-server")
@@ -216,7 +235,8 @@ class Fleet:
             str(cfg.heartbeat_ttl),
             *cfg.worker_args,
         ]
-        worker = WorkerProcess(worker_id, grpc_port, http_port, self._spawn(worker_id, args))
+        proc = self._spawn(worker_id, args, self.worker_env())
+        worker = WorkerProcess(worker_id, grpc_port, http_port, proc)
         self.workers.append(worker)
         return worker
 
