@@ -143,6 +143,31 @@ def kv_blocks(cfg: AgainstConfig, model_dir: Path) -> int:
     return int(cfg.kv_space_gib * (1 << 30) // block)
 
 
+def vllm_server(
+    model_dir: Path,
+    dtype: str,
+    block_size: int,
+    port: int,
+    kv_space_gib: int,
+    threads: int,
+    *extra: str,
+) -> tuple[list[str], dict[str, str]]:
+    """The command and env of a benchmark's vLLM CPU server (model served as "bench"),
+    its KV space and its OpenMP threads pinned to the first ``threads`` CPUs."""
+    cmd = [
+        str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", "bench", "--dtype", dtype,
+        "--block-size", str(block_size), "--host", "127.0.0.1", "--port", str(port), *extra,
+    ]  # fmt: skip
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{max(threads, 1) - 1}",
+    )
+    return cmd, env
+
+
 def start_servers(cfg: AgainstConfig, model_dir: Path, logs: Path) -> tuple[dict, list]:
     """Starts Redis, the kvroute worker and vLLM; returns {name: Server} and extra processes."""
     threads = str(cfg.threads)
@@ -165,20 +190,12 @@ def start_servers(cfg: AgainstConfig, model_dir: Path, logs: Path) -> tuple[dict
         env, kv_port, logs / "kvroute.log",
     )  # fmt: skip
     vllm_port = _free_port()
-    vllm_env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        VLLM_CPU_KVCACHE_SPACE=str(cfg.kv_space_gib),
-        VLLM_CPU_OMP_THREADS_BIND=f"0-{cfg.threads - 1}",
-    )
-    vllm_cmd = [
-        str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", "bench", "--dtype", cfg.dtype,
-        "--block-size", str(cfg.block_size), "--enable-prefix-caching",
-        "--enable-prompt-tokens-details", "--max-model-len", str(cfg.prompt_tokens + 64),
+    vllm_cmd, vllm_env = vllm_server(
+        model_dir, cfg.dtype, cfg.block_size, vllm_port, cfg.kv_space_gib, cfg.threads,
+        "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--max-model-len", str(cfg.prompt_tokens + 64),
         "--max-num-batched-tokens", str(max(cfg.max_batch_tokens, cfg.prompt_tokens + 64)),
-        "--host", "127.0.0.1", "--port", str(vllm_port),
-    ]  # fmt: skip
+    )  # fmt: skip
     if cfg.vllm_eager:
         vllm_cmd.append("--enforce-eager")
     vllm = Server("vllm", vllm_cmd, vllm_env, vllm_port, logs / "vllm.log")

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench_engine_vllm import VLLM_VENV, Server, _free_port
+from loadtest.bench_engine_vllm import VLLM_VENV, Server, _free_port, vllm_server
 
 logger = logging.getLogger(__name__)
 
@@ -54,19 +54,11 @@ async def vllm_outputs(
         raise RuntimeError(f"{VLLM_VENV} is missing: run `bash .ci/vllm-venv.sh` first")
     port = _free_port()
     longest = max(map(len, prompts)) + new_tokens
-    cmd = [
-        str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", "bench", "--dtype", dtype,
-        "--block-size", str(BLOCK_SIZE), "--kv-cache-dtype", kv_cache_dtype,
+    cmd, env = vllm_server(
+        model_dir, dtype, BLOCK_SIZE, port, 1, os.cpu_count() or 1,
+        "--kv-cache-dtype", kv_cache_dtype,
         "--max-model-len", str(longest + BLOCK_SIZE), "--max-num-seqs", str(len(prompts)),
-        "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND=f"0-{max(1, (os.cpu_count() or 2)) - 1}",
-    )
+    )  # fmt: skip
     log = Path(tempfile.mkdtemp(prefix="fp8-vllm-")) / f"vllm-{kv_cache_dtype}.log"
     server = Server(f"vllm-{kv_cache_dtype}", cmd, env, port, log)
     try:

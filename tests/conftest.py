@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -10,6 +11,12 @@ from pathlib import Path
 import pytest
 
 from tests.support import RedisProcess, env_redis_url
+
+# The tests run several workers (and this process's own torch) on a few shared cores:
+# OpenMP threads must sleep between parallel regions, not spin, or each process takes
+# the others' cores (loadtest.fleet does the same for co-located workers). Every
+# process a test spawns inherits this.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _docker_answers() -> bool:

@@ -9,6 +9,7 @@ kills a worker, so it stays last in the file.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import random
@@ -305,7 +306,7 @@ async def _conversation(client: AsyncOpenAI, model: str, seed: int, turns: int) 
             model=model, messages=messages, max_tokens=6, temperature=0
         )  # type: ignore[arg-type]
         body = raw.parse()
-        out.append((raw.headers["x-kvroute-worker"], body.usage))
+        out.append((raw.headers["x-kvroute-worker"], raw.headers["x-kvroute-reason"], body.usage))
         messages += [
             {"role": "assistant", "content": body.choices[0].message.content or ""},
             {"role": "user", "content": _words(rng, 15)},
@@ -329,15 +330,26 @@ def _run_conversations(fleet: Fleet, gateway: str, seeds: list[int], turns: int)
 def test_concurrent_conversations_keep_their_worker(fleet: Fleet) -> None:
     results = _run_conversations(fleet, "kvroute", list(range(100, 110)), turns=2)
     assert len(results) == 10 and all(len(conv) == 2 for conv in results)
-    # Each follow-up turn goes where its conversation's first turn left its blocks.
+    firsts = collections.Counter(first for (first, _, _), _ in results)
+    stayed = 0
     for conv in results:
-        (first, _), (second, usage) = conv
-        assert second == first, conv
-        assert usage.prompt_tokens_details.cached_tokens > 0, conv
+        (first, _, _), (second, reason, usage) = conv
+        if second == first:
+            # A follow-up turn that stays finds its first turn's blocks there.
+            stayed += 1
+            assert reason in ("cache", "session"), conv
+            assert usage.prompt_tokens_details.cached_tokens > 0, conv
+        else:
+            # Leaving them is a spill, said as one: for a prompt this short the few
+            # uncached tokens cost less than queueing behind a busier worker's decodes
+            # (``decode_weight_s``), so within the tie margin load decides.
+            assert reason == "load", (conv, firsts)
     # Where ten short cold conversations start is not asserted: their prompts queue
     # milliseconds of work, below the bounded-load rule's 2 s work slack, so the spread
     # comes from each worker's measured prefill rate, which is noisy on a shared CPU
-    # (all ten on one of three workers was seen in CI).
+    # (all ten on one of three workers was seen in CI). On a spread start most stay.
+    if max(firsts.values()) <= 4:
+        assert stayed >= 8, (results, firsts)
 
 
 def test_round_robin_caches_less_than_kvroute(fleet: Fleet) -> None:
