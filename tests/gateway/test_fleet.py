@@ -347,9 +347,11 @@ def test_concurrent_conversations_keep_their_worker(fleet: Fleet) -> None:
     # Where ten short cold conversations start is not asserted: their prompts queue
     # milliseconds of work, below the bounded-load rule's 2 s work slack, so the spread
     # comes from each worker's measured prefill rate, which is noisy on a shared CPU
-    # (all ten on one of three workers was seen in CI). On a spread start most stay.
+    # (all ten on one of three workers was seen in CI). On a spread start most stay: a
+    # worker then carries at most three other conversations, and a follow-up leaves it
+    # only while another worker has next to none in flight.
     if max(firsts.values()) <= 4:
-        assert stayed >= 8, (results, firsts)
+        assert stayed >= 6, (results, firsts)
 
 
 def test_round_robin_caches_less_than_kvroute(fleet: Fleet) -> None:
