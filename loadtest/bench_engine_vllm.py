@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.vllm_fleet import vllm_cpu_env
+
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,13 +161,7 @@ def vllm_server(
         "--model", str(model_dir), "--served-model-name", "bench", "--dtype", dtype,
         "--block-size", str(block_size), "--host", "127.0.0.1", "--port", str(port), *extra,
     ]  # fmt: skip
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
-        VLLM_CPU_OMP_THREADS_BIND=f"0-{max(threads, 1) - 1}",
-    )
-    return cmd, env
+    return cmd, vllm_cpu_env(kv_space_gib, f"0-{max(threads, 1) - 1}")
 
 
 def start_servers(cfg: AgainstConfig, model_dir: Path, logs: Path) -> tuple[dict, list]:

@@ -44,6 +44,17 @@ def vllm_python() -> Path:
     return python
 
 
+def vllm_cpu_env(kv_space_gib: int, cpus: str) -> dict[str, str]:
+    """The environment of a vLLM CPU server here: offline, ``kv_space_gib`` of KV cache,
+    its OpenMP threads bound to ``cpus`` (``"0-1"``)."""
+    return dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
+        VLLM_CPU_OMP_THREADS_BIND=cpus,
+    )
+
+
 STRUCTURED_OUTPUTS = '{"backend":"guidance","disable_any_whitespace":true}'
 
 
@@ -127,13 +138,8 @@ class VllmServer:
         return f"tcp://127.0.0.1:{self.replay_port}"
 
     def start(self) -> None:
-        env = dict(os.environ)
-        env.update(
-            HF_HUB_OFFLINE="1",
-            VLLM_CPU_KVCACHE_SPACE="1",
-            VLLM_CPU_OMP_THREADS_BIND=self.cpus or f"0-{max(0, (os.cpu_count() or 1) - 1)}",
-            VLLM_SERVER_DEV_MODE="1",  # POST /reset_prefix_cache
-        )
+        env = vllm_cpu_env(1, self.cpus or f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
         args = vllm_args(
             self.model_dir,
             self.port,
