@@ -87,11 +87,20 @@ class _Choice:
             self._lp_pending.extend(chunk.logprobs)
         return self.detok.push(chunk.token_ids)
 
-    def logprobs(self, decode: Decode, text: str) -> dict[str, Any] | None:
-        """The logprobs of the tokens taken since the last call (None if not asked or none)."""
+    def take_logprobs(self) -> list[TokenLogprobs]:
+        """The logprobs of the tokens taken since the last call."""
+        items, self._lp_pending = self._lp_pending, []
+        return items
+
+    def logprobs(
+        self, decode: Decode, text: str, items: list[TokenLogprobs] | None = None
+    ) -> dict[str, Any] | None:
+        """The logprobs of ``items`` (default: the tokens taken since the last call) in
+        the response's shape; None if not asked or none."""
         if self.s.logprobs is None:
             return None
-        items, self._lp_pending = self._lp_pending, []
+        if items is None:
+            items = self.take_logprobs()
         offset, self._sent_chars = self._sent_chars, self._sent_chars + len(text)
         if self.chat:
             return chat_logprobs(items, decode, self.s.logprobs)
@@ -227,10 +236,11 @@ class Relay:
         delta: str,
         finish: str | None,
         tool_calls: list[dict[str, Any]] | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> dict[str, Any]:
         # continuous_usage_stats: every chunk carries the usage so far (vLLM's extension).
         usage = self.usage() if self.s.continuous_usage_stats else None
-        lps = c.logprobs(self._decode, delta)
+        lps = c.logprobs(self._decode, delta, logprobs)
         if lps is not None and not (lps.get("content") or lps.get("tokens")):
             lps = None  # nothing new since the last chunk
         args = (usage, self._usage_field, lps, c.index)
@@ -307,14 +317,16 @@ class Relay:
                 f": x-kvroute-worker: {self.stream.worker_id}\n"
                 f": x-kvroute-reason: {self.stream.reason}\n\n".encode()
             )
-        queue: asyncio.Queue[tuple[_Choice, str, str | None] | BaseException | None] = (
-            asyncio.Queue()
-        )
+        queue: asyncio.Queue[
+            tuple[_Choice, str, str | None, list[TokenLogprobs]] | BaseException | None
+        ] = asyncio.Queue()
 
         async def pump(c: _Choice) -> None:
             try:
                 async for delta, finish in c.events():
-                    await queue.put((c, delta, finish))
+                    # The logprobs go with their text: the pump reads ahead while
+                    # the last event is written, and takes the next tokens' too.
+                    await queue.put((c, delta, finish, c.take_logprobs()))
                 await queue.put(None)
             except (UpstreamError, APIError) as exc:
                 await queue.put(exc)
@@ -339,13 +351,16 @@ class Relay:
                     )
                     await self._send(err.body())
                     break
-                c, delta, finish = item
+                c, delta, finish, lps = item
                 if delta:
-                    await self._send(self._chunk(c, delta, None))
+                    await self._send(self._chunk(c, delta, None, logprobs=lps))
+                    lps = []
                 if finish is not None and c.tool_calls:
-                    await self._send(self._chunk(c, "", None, call_deltas(c.tool_calls)))
+                    calls = call_deltas(c.tool_calls)
+                    await self._send(self._chunk(c, "", None, calls, logprobs=lps))
+                    lps = []
                 if finish is not None:
-                    await self._send(self._chunk(c, "", finish))
+                    await self._send(self._chunk(c, "", finish, logprobs=lps))
         finally:
             for t in tasks:
                 t.cancel()
