@@ -39,6 +39,11 @@ class WorkerStub:
                 request_serializer=worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/kvroute.v1.Worker/GenerateMany',
+                request_serializer=worker__pb2.CallFrames.SerializeToString,
+                response_deserializer=worker__pb2.ReplyFrames.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/kvroute.v1.Worker/Health',
                 request_serializer=worker__pb2.HealthRequest.SerializeToString,
@@ -52,6 +57,19 @@ class WorkerServicer:
     def Generate(self, request, context):
         """Streams generated tokens for one request. Cancelling the call aborts the
         request on the worker and frees its blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many Generate calls on one long-lived stream: a gateway opens one per worker
+        and sends each request as a frame with its own call id. Each framed call
+        runs exactly as a Generate call would (same responses, same abort on
+        cancel); it ends with a response whose `finished` is set or with a status.
+        One HTTP/2 stream instead of one per request halves what a call costs the
+        gateway (loadtest.bench_grpc_shapes). Frames are batched: whatever is ready
+        goes in one message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -71,6 +89,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=worker__pb2.GenerateRequest.FromString,
                     response_serializer=worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=worker__pb2.CallFrames.FromString,
+                    response_serializer=worker__pb2.ReplyFrames.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -105,6 +128,33 @@ class Worker:
             '/kvroute.v1.Worker/Generate',
             worker__pb2.GenerateRequest.SerializeToString,
             worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvroute.v1.Worker/GenerateMany',
+            worker__pb2.CallFrames.SerializeToString,
+            worker__pb2.ReplyFrames.FromString,
             options,
             channel_credentials,
             insecure,

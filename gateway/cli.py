@@ -123,6 +123,13 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, Any, str]] = [
         "true",
         "share in-flight load, speculation and sessions with other gateway replicas via Redis",
     ),
+    (
+        "--grpc-mux",
+        "bool",
+        "true",
+        "carry every request to a gRPC worker on its one GenerateMany stream (false: one "
+        "Generate call per request)",
+    ),
 ]
 
 
@@ -209,6 +216,7 @@ def config_from_args(argv: list[str]) -> GatewayConfig:
         redis_cluster=_flag_bool("--redis-cluster", v["--redis-cluster"]),
         replica_sync=_flag_bool("--replica-sync", v["--replica-sync"]),
         stream_interval=v["--stream-interval"],
+        grpc_mux=v["--grpc-mux"],
     )
 
 

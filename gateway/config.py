@@ -53,6 +53,8 @@ class GatewayConfig:
     replica_sync: bool = True
     # Tokens per worker message after the first (gRPC workers); 0 = auto (gateway.routing.jobs).
     stream_interval: int = 0
+    # Requests to a gRPC worker ride one GenerateMany stream per worker (gateway.upstream.grpc_mux).
+    grpc_mux: bool = True
 
     def __post_init__(self) -> None:
         RedisLayout(self.redis_namespace)  # validates --redis-namespace

@@ -9,7 +9,8 @@ front of them costs is then all that is measured.
 Messages per token follow a real worker's: the first token alone, then one
 message per ``stream_interval`` tokens (the request's ``stream_interval``,
 which the kvroute gateway sets, else the worker's ``--stream-interval``,
-default 1), the last one as soon as it is ready (``message_sizes``). A real
+default 1), the last one as soon as it is ready (``message_sizes``); ``GenerateMany``
+carries them as a real worker does. A real
 worker merges further only the tokens that piled up while its own loop was
 busy sending: a router that reads slowly does not slow the sends, since the
 HTTP/2 window holds thousands of these ~15-byte messages. An engine that
@@ -35,6 +36,7 @@ from contract.hashing import HashSpec
 from contract.redis_layout import WorkerRecord
 from loadtest.fleet import free_port
 from loadtest.scale_redis import FakeEngine
+from worker.serve.grpc_mux import GenerateManyMixin
 
 MODEL = "bench"
 
@@ -51,7 +53,7 @@ def message_sizes(n: int, stream_interval: int) -> list[int]:
     return sizes
 
 
-class _InstantGrpc(worker_pb2_grpc.WorkerServicer):
+class _InstantGrpc(GenerateManyMixin, worker_pb2_grpc.WorkerServicer):
     """kvroute's worker contract with no engine: ``max_tokens`` tokens (``message_sizes``)."""
 
     def __init__(self, worker_id: str, stream_interval: int = 1) -> None:

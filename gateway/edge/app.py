@@ -206,6 +206,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
             config.grpc_tls_ca.read_bytes() if config.grpc_tls_ca else None,
             drain_s=config.request_timeout_s,
             token=config.grpc_token,
+            mux=config.grpc_mux,
         ),
         "openai-http": OpenAIHTTPUpstream(),
     }

@@ -1,5 +1,8 @@
 """The gRPC upstream: kvroute workers, one ``grpc.aio`` channel per worker, reused.
 
+Requests travel on the worker's one ``GenerateMany`` stream (``grpc_mux``), or
+as a ``Generate`` call each where the worker lacks that RPC or ``mux`` is off.
+
 A channel is created on first use and replaced when the worker's address
 changes. When the worker leaves the registry (a drain deregisters first) the
 channel takes no new calls but stays open for the calls still streaming on it,
@@ -15,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import grpc
 
 from contract import worker_pb2, worker_pb2_grpc
 from contract.grpc_auth import METADATA_KEY, bearer
-from gateway.upstream.base import Chunk, Generation, UpstreamError
+from gateway.upstream.base import Chunk, Generation, UpstreamCall, UpstreamError
+from gateway.upstream.grpc_mux import MuxCall, MuxStream
 from openai_api.errors import APIError
 from openai_api.logprobs import TokenLogprobs
 
@@ -54,7 +59,11 @@ _CLIENT_ERRORS = {
 
 
 def _upstream_error(exc: grpc.aio.AioRpcError) -> UpstreamError:
-    code = exc.code()
+    return status_error(exc.code(), exc.details() or "")
+
+
+def status_error(code: grpc.StatusCode, details: str) -> UpstreamError:
+    """The ``UpstreamError`` for a call that ended with gRPC status ``code``."""
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         api = APIError(504, "the request timed out", code="timeout")
     elif code == grpc.StatusCode.UNAUTHENTICATED:
@@ -62,17 +71,34 @@ def _upstream_error(exc: grpc.aio.AioRpcError) -> UpstreamError:
         logger.error(
             "a worker refused this gateway's token (%s): give gateways and workers the "
             "same --grpc-token-file",
-            exc.details(),
+            details,
         )
         api = APIError(502, "the worker refused the gateway's credentials", code="worker_error")
     elif code in _CLIENT_ERRORS:
-        api = APIError(
-            400, f"the worker rejected the request: {exc.details()}", code="invalid_request"
-        )
+        api = APIError(400, f"the worker rejected the request: {details}", code="invalid_request")
     else:
-        api = APIError(502, f"worker error {code.name}: {exc.details()}", code="worker_error")
-    return UpstreamError(
-        f"{code.name}: {exc.details()}", retryable=code in _RETRYABLE, api_error=api
+        api = APIError(502, f"worker error {code.name}: {details}", code="worker_error")
+    return UpstreamError(f"{code.name}: {details}", retryable=code in _RETRYABLE, api_error=api)
+
+
+def to_chunk(msg: worker_pb2.GenerateResponse) -> Chunk:
+    """A worker message as a ``Chunk`` (per message, so kept lean)."""
+    # Usage only on the first and last messages, logprobs only if asked.
+    cached = None
+    if msg.HasField("usage") and (msg.usage.prompt_tokens or msg.usage.cached_tokens):
+        cached = int(msg.usage.cached_tokens)
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    if msg.logprobs:
+        logprobs = tuple(
+            TokenLogprobs(t, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs, strict=True)))
+            for t, lp in zip(msg.token_ids, msg.logprobs, strict=False)
+        )
+    return Chunk(
+        token_ids=msg.token_ids,
+        finished=msg.finished,
+        finish_reason=msg.finish_reason,
+        cached_tokens=cached,
+        logprobs=logprobs,
     )
 
 
@@ -134,83 +160,127 @@ class _GrpcCall:
             raise _cut_off() from None
         if msg is grpc.aio.EOF:
             return None
-        # Per message, so kept lean: usage only on the first and last, logprobs if asked.
-        cached = None
-        if msg.HasField("usage") and (msg.usage.prompt_tokens or msg.usage.cached_tokens):
-            cached = int(msg.usage.cached_tokens)
-        logprobs: tuple[TokenLogprobs, ...] = ()
-        if msg.logprobs:
-            logprobs = tuple(
-                TokenLogprobs(t, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs, strict=True)))
-                for t, lp in zip(msg.token_ids, msg.logprobs, strict=False)
-            )
-        return Chunk(
-            token_ids=msg.token_ids,
-            finished=msg.finished,
-            finish_reason=msg.finish_reason,
-            cached_tokens=cached,
-            logprobs=logprobs,
-        )
+        return to_chunk(msg)
 
     def cancel(self) -> None:
         self._cancelled = True
         self._call.cancel()
 
 
+@dataclass
+class _Worker:
+    """The channel to one worker's address, its stub and its ``GenerateMany`` stream."""
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    mux: MuxStream | None = None
+
+
 class GrpcUpstream:
-    """Worker id -> a live stub on a channel to that worker's address."""
+    """Worker id -> a live stub on a channel to that worker's address.
+
+    With ``mux`` (the default) every request to a worker travels on that
+    worker's one ``GenerateMany`` stream (``gateway.upstream.grpc_mux``); a
+    worker that lacks the RPC gets a ``Generate`` call per request, as every
+    worker does without ``mux``.
+    """
 
     def __init__(
-        self, tls_ca: bytes | None = None, *, drain_s: float = 600.0, token: str = ""
+        self,
+        tls_ca: bytes | None = None,
+        *,
+        drain_s: float = 600.0,
+        token: str = "",
+        mux: bool = True,
     ) -> None:
         self.drain_s = drain_s  # how long a forgotten channel stays open for its calls
+        self.mux = mux
         # Call metadata rather than call credentials: those need TLS, the token does not.
         self._metadata = ((METADATA_KEY, bearer(token)),) if token else None
         # With a CA bundle every worker channel is TLS, verified against it.
         self._credentials = grpc.ssl_channel_credentials(tls_ca) if tls_ca else None
-        self._channels: dict[str, tuple[str, grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
+        self._workers: dict[str, _Worker] = {}
         self._closing: dict[asyncio.Task[None], grpc.aio.Channel] = {}
 
-    def stub(self, worker_id: str, address: str) -> worker_pb2_grpc.WorkerStub:
-        """The stub for ``worker_id`` at ``address`` (a new channel if the address moved)."""
-        entry = self._channels.get(worker_id)
-        if entry is not None and entry[0] == address:
-            return entry[2]
+    def worker(self, worker_id: str, address: str) -> _Worker:
+        """The channel to ``worker_id`` at ``address`` (a new one if the address moved)."""
+        entry = self._workers.get(worker_id)
+        if entry is not None and entry.address == address:
+            return entry
         if entry is not None:
-            self._close_later(entry[1])
+            self._close_later(entry)
         if self._credentials is not None:
             channel = grpc.aio.secure_channel(address, self._credentials, options=_CHANNEL_OPTIONS)
         else:
             channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        self._channels[worker_id] = (address, channel, stub)
-        return stub
+        entry = _Worker(address, channel, worker_pb2_grpc.WorkerStub(channel))
+        self._workers[worker_id] = entry
+        return entry
+
+    def stub(self, worker_id: str, address: str) -> worker_pb2_grpc.WorkerStub:
+        """The stub for ``worker_id`` at ``address``."""
+        return self.worker(worker_id, address).stub
 
     def start(
         self, worker_id: str, address: str, generation: Generation, timeout_s: float
+    ) -> UpstreamCall:
+        """Starts the generation on the worker; the first ``read`` waits for its first tokens."""
+        entry = self.worker(worker_id, address)
+        request = _request(generation)
+        if not self.mux:
+            return self._generate(entry.stub, request, timeout_s)
+        if entry.mux is None or entry.mux.dead:
+            if entry.mux is not None and entry.mux.unimplemented:
+                return self._generate(entry.stub, request, timeout_s)
+            entry.mux = self._open_mux(entry)
+        return entry.mux.start(request, timeout_s)
+
+    def _generate(
+        self,
+        stub: worker_pb2_grpc.WorkerStub,
+        request: worker_pb2.GenerateRequest,
+        timeout_s: float,
     ) -> _GrpcCall:
-        """Starts ``Generate`` on the worker; the first ``read`` waits for its first tokens."""
-        stub = self.stub(worker_id, address)
-        call = stub.Generate(_request(generation), timeout=timeout_s, metadata=self._metadata)
-        return _GrpcCall(call)
+        return _GrpcCall(stub.Generate(request, timeout=timeout_s, metadata=self._metadata))
+
+    def _open_mux(self, entry: _Worker) -> MuxStream:
+        def fall_back(waiting: list[MuxCall]) -> None:
+            logger.info(
+                "worker at %s has no GenerateMany: one Generate call per request", entry.address
+            )
+            for call in waiting:
+                call.become(self._generate(entry.stub, call.request, call.timeout_s))
+
+        return MuxStream(
+            lambda: entry.stub.GenerateMany(metadata=self._metadata),
+            status_error=status_error,
+            to_chunk=to_chunk,
+            on_unimplemented=fall_back,
+        )
 
     def forget(self, worker_id: str) -> None:
         """Retires the channel of a worker that left: no new calls; running ones finish.
 
-        ``Channel.close(grace)`` waits for the calls in flight on it (up to
-        ``drain_s``) before cancelling them, so a draining worker's streams
-        run to completion; a dead worker's streams fail on their own first.
+        The worker's ``GenerateMany`` stream is closed from this side once its
+        calls have ended (up to ``drain_s``), and ``Channel.close(grace)``
+        waits for the ``Generate`` calls in flight on it; so a draining
+        worker's streams run to completion, while a dead worker's streams
+        fail on their own first.
         """
-        entry = self._channels.pop(worker_id, None)
+        entry = self._workers.pop(worker_id, None)
         if entry is not None:
-            self._close_later(entry[1])
+            self._close_later(entry)
 
     async def close(self) -> None:
         """Closes every channel."""
-        channels = [c for _, c, _ in self._channels.values()]
-        self._channels.clear()
+        entries = list(self._workers.values())
+        self._workers.clear()
+        for entry in entries:
+            if entry.mux is not None:
+                await entry.mux.close()
         # Retiring channels too: the gateway is stopping, it waits for nobody's drain.
-        channels += list(self._closing.values())
+        channels = [e.channel for e in entries] + list(self._closing.values())
         for channel in channels:
             await channel.close(grace=None)
         for task in list(self._closing):
@@ -219,9 +289,14 @@ class GrpcUpstream:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
     def __len__(self) -> int:
-        return len(self._channels)
+        return len(self._workers)
 
-    def _close_later(self, channel: grpc.aio.Channel) -> None:
-        task = asyncio.get_running_loop().create_task(channel.close(grace=self.drain_s))
-        self._closing[task] = channel
+    def _close_later(self, entry: _Worker) -> None:
+        task = asyncio.get_running_loop().create_task(self._retire(entry))
+        self._closing[task] = entry.channel
         task.add_done_callback(lambda t: self._closing.pop(t, None))
+
+    async def _retire(self, entry: _Worker) -> None:
+        if entry.mux is not None:
+            await entry.mux.retire(self.drain_s)
+        await entry.channel.close(grace=self.drain_s)

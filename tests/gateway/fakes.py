@@ -28,10 +28,12 @@ from contract.events import (
 )
 from contract.hashing import HashSpec
 from contract.redis_layout import EVENT_FIELD, BlockSetWriter, RedisLayout, WorkerRecord
+from worker.serve.grpc_mux import GenerateManyMixin
 
 
-class FakeWorker(worker_pb2_grpc.WorkerServicer):
-    """Answers every ``Generate`` with ``reply_ids``, one token per chunk."""
+class FakeWorker(GenerateManyMixin, worker_pb2_grpc.WorkerServicer):
+    """Answers every ``Generate`` with ``reply_ids``, one token per chunk (``GenerateMany``
+    too, as a real worker: each framed call runs this ``Generate``)."""
 
     def __init__(
         self,

@@ -81,8 +81,8 @@ class Stack:
 
     async def start(self) -> Stack:
         self.engine.start()
-        service = WorkerService(self.engine, worker_id=self.worker_id)
-        self.grpc_server, self.grpc_port = await start_grpc_server(service, "127.0.0.1", 0)
+        self.service = WorkerService(self.engine, worker_id=self.worker_id)
+        self.grpc_server, self.grpc_port = await start_grpc_server(self.service, "127.0.0.1", 0)
         app = create_app(
             self.engine,
             self.tokenizer,

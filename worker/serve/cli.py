@@ -56,6 +56,7 @@ class WorkerProcess:
         self.engine: Any = None
         self.publisher: Any = None
         self.grpc_server: Any = None
+        self.grpc_service: Any = None  # the WorkerService, once started
         self.http_runner: Any = None
         self.grpc_port = 0
         self.http_port = 0
@@ -160,6 +161,7 @@ class WorkerProcess:
             await self._pin(tokenizer, cfg.pin_system_prompt)
 
         service = WorkerService(self.engine, worker_id=cfg.worker_id, stall_s=cfg.engine_stall_s)
+        self.grpc_service = service
         self.grpc_server, self.grpc_port = await start_grpc_server(
             service,
             cfg.host,
@@ -214,6 +216,10 @@ class WorkerProcess:
         # New calls are refused from here on (gateways retry them elsewhere before
         # their first token); calls in flight run to completion within the grace.
         drains = []
+        if self.grpc_service is not None:
+            # A gateway's GenerateMany stream outlives the server's refusal of new
+            # calls: the service refuses the new calls framed on it instead.
+            self.grpc_service.draining = True
         if self.grpc_server is not None:
             drains.append(self.grpc_server.stop(self.config.drain_grace_s))
         if self.http_runner is not None:

@@ -1,7 +1,8 @@
 """The worker's gRPC service (``kvroute.v1.Worker``): token ids in, token ids out.
 
 The gateway owns tokenization, so ``Generate`` takes prompt token ids and
-streams generated ids back; the first chunk carries the prompt and cached
+streams generated ids back (``GenerateMany`` carries many such calls on one
+stream, ``worker.serve.grpc_mux``); the first chunk carries the prompt and cached
 token counts (so a caller that stops early still counts them), the final one
 the whole usage, ``finish_reason``, the engine-side TTFT and the worker id. The
 port is bound without ``SO_REUSEPORT``: a second worker on a used port fails to
@@ -28,6 +29,7 @@ from contract import worker_pb2_grpc
 from contract.grpc_auth import METADATA_KEY, is_bearer
 from worker.engine.sequence import SamplingParams
 from worker.engine.types import EngineError
+from worker.serve.grpc_mux import GenerateManyMixin
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +65,8 @@ def sampling_from_proto(
     )
 
 
-class WorkerService(worker_pb2_grpc.WorkerServicer):
-    """Serves one engine over gRPC."""
+class WorkerService(GenerateManyMixin, worker_pb2_grpc.WorkerServicer):
+    """Serves one engine over gRPC: ``Generate`` per call, or many on one ``GenerateMany``."""
 
     def __init__(self, engine: Any, *, worker_id: str, stall_s: float = 10.0) -> None:
         self.engine = engine

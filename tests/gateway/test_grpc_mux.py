@@ -1,0 +1,240 @@
+"""The gRPC upstream's ``GenerateMany`` streams, against real gRPC servers (port 0).
+
+Every request to a worker rides its one stream, each call reads exactly the
+chunks and errors a ``Generate`` call would; a deadline, a cancel, a lost
+worker and a worker without the RPC all behave as they do with one call per
+request; a retired worker's stream closes once its calls ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import pytest
+
+from contract import worker_pb2 as pb
+from contract import worker_pb2_grpc
+from gateway.upstream.base import Chunk, Generation, UpstreamCall, UpstreamError
+from gateway.upstream.grpc_worker import GrpcUpstream
+from tests.gateway.fakes import FakeWorker
+from tests.gateway.helpers import eventually
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _generation(prompt: Sequence[int], request_id: str = "r") -> Generation:
+    return Generation(
+        request_id=request_id,
+        prompt_ids=prompt,
+        max_tokens=8,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        seed=None,
+        ignore_eos=False,
+        stop_token_ids=(),
+        cache_salt="",
+    )
+
+
+async def _read_all(call: UpstreamCall) -> list[Chunk]:
+    chunks = []
+    while (chunk := await call.read()) is not None:
+        chunks.append(chunk)
+    return chunks
+
+
+class EchoWorker(FakeWorker):
+    """Replies each request's own prompt back, one token a message; counts its streams."""
+
+    def __init__(self, worker_id: str, **kw: object) -> None:
+        super().__init__(worker_id, **kw)  # type: ignore[arg-type]
+        self.streams = 0  # GenerateMany calls open now
+        self.streams_opened = 0
+        self.generate_calls = 0
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self.generate_calls += 1
+        self.reply_ids = list(request.prompt_token_ids)
+        async for msg in super().Generate(request, context):
+            yield msg
+
+    async def GenerateMany(
+        self, request_iterator: AsyncIterator[pb.CallFrames], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ReplyFrames]:
+        self.streams += 1
+        self.streams_opened += 1
+        try:
+            async for msg in super().GenerateMany(request_iterator, context):
+                yield msg
+        finally:
+            self.streams -= 1
+
+
+class GenerateOnly(worker_pb2_grpc.WorkerServicer):
+    """A worker of an older release: ``Generate`` only."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self.calls += 1
+        yield pb.GenerateResponse(
+            token_ids=list(request.prompt_token_ids), finished=True, finish_reason="stop"
+        )
+
+
+async def test_concurrent_requests_share_one_stream_and_get_their_own_replies() -> None:
+    worker = await EchoWorker("w1").start()
+    upstream = GrpcUpstream()
+    try:
+        calls = [
+            upstream.start("w1", worker.address, _generation([i, i + 1, i + 2], f"r{i}"), 10)
+            for i in range(0, 90, 3)
+        ]
+        results = await asyncio.gather(*(_read_all(c) for c in calls))
+        for i, chunks in zip(range(0, 90, 3), results, strict=True):
+            assert [t for c in chunks for t in c.token_ids] == [i, i + 1, i + 2]
+            assert chunks[-1].finished and chunks[-1].finish_reason == "stop"
+        assert worker.streams_opened == 1 and worker.generate_calls == 30
+        assert worker.completed == 30
+    finally:
+        await upstream.close()
+        await worker.stop()
+
+
+async def test_a_worker_status_is_the_same_upstream_error_as_with_generate() -> None:
+    worker = await FakeWorker("w1", fail=grpc.StatusCode.INVALID_ARGUMENT).start()
+    upstream = GrpcUpstream()
+    try:
+        call = upstream.start("w1", worker.address, _generation([1, 2]), 10)
+        with pytest.raises(UpstreamError) as err:
+            await call.read()
+        assert not err.value.retryable
+        assert err.value.api_error.status == 400
+        assert "scripted failure" in err.value.message
+    finally:
+        await upstream.close()
+        await worker.stop()
+
+
+async def test_the_deadline_fails_the_call_and_aborts_it_on_the_worker() -> None:
+    worker = await FakeWorker("w1", [5, 6, 7], delay_s=5.0).start()
+    upstream = GrpcUpstream()
+    try:
+        call = upstream.start("w1", worker.address, _generation([1]), 0.2)
+        with pytest.raises(UpstreamError) as err:
+            await call.read()
+        assert err.value.api_error.status == 504
+        assert err.value.api_error.code == "timeout"
+        await eventually(lambda: worker.cancelled == 1, what="the worker's call cancelled")
+    finally:
+        await upstream.close()
+        await worker.stop()
+
+
+async def test_cancel_aborts_the_call_on_the_worker_and_the_stream_goes_on() -> None:
+    worker = await FakeWorker("w1", list(range(100, 140)), delay_s=0.05).start()
+    upstream = GrpcUpstream()
+    try:
+        call = upstream.start("w1", worker.address, _generation([1]), 10)
+        first = await call.read()
+        assert first is not None and list(first.token_ids) == [100]
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call.read()
+        await eventually(lambda: worker.cancelled == 1, what="the worker's call cancelled")
+        worker.delay_s = 0.0
+        again = await _read_all(upstream.start("w1", worker.address, _generation([2]), 10))
+        assert len(again) == 40 and worker.completed == 1
+    finally:
+        await upstream.close()
+        await worker.stop()
+
+
+async def test_a_lost_worker_fails_its_calls_retryably_and_a_new_stream_opens() -> None:
+    worker = await EchoWorker("w1", delay_s=0.5).start()
+    port = worker.port
+    upstream = GrpcUpstream()
+    try:
+        call = upstream.start("w1", worker.address, _generation([1, 2, 3]), 10)
+        await eventually(lambda: worker.streams == 1, what="the stream open on the worker")
+        await worker.stop()
+        with pytest.raises(UpstreamError) as err:
+            await _read_all(call)
+        assert err.value.retryable
+        # The same address comes back: the next request opens a new stream there.
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        worker.server, worker.delay_s = server, 0.0
+
+        served: list[Chunk] = []
+        for _ in range(50):  # the channel may still be backing off from the lost connection
+            try:
+                served = await _read_all(
+                    upstream.start("w1", f"127.0.0.1:{port}", _generation([4]), 2)
+                )
+                break
+            except UpstreamError:
+                await asyncio.sleep(0.2)
+        assert [t for c in served for t in c.token_ids] == [4]
+        assert worker.streams_opened == 2
+    finally:
+        await upstream.close()
+        await worker.stop()
+
+
+async def test_a_worker_without_the_rpc_gets_one_generate_call_per_request() -> None:
+    servicer = GenerateOnly()
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    upstream = GrpcUpstream()
+    try:
+        address = f"127.0.0.1:{port}"
+        # The first requests wait on a stream the worker refuses, then start again as Generate.
+        first = [upstream.start("old", address, _generation([i]), 10) for i in range(3)]
+        results = await asyncio.gather(*(_read_all(c) for c in first))
+        assert [list(r[0].token_ids) for r in results] == [[0], [1], [2]]
+        later = await _read_all(upstream.start("old", address, _generation([9]), 10))
+        assert list(later[0].token_ids) == [9] and servicer.calls == 4
+    finally:
+        await upstream.close()
+        await server.stop(None)
+
+
+async def test_without_mux_every_request_is_its_own_generate_call() -> None:
+    worker = await EchoWorker("w1").start()
+    upstream = GrpcUpstream(mux=False)
+    try:
+        chunks = await _read_all(upstream.start("w1", worker.address, _generation([3, 4]), 10))
+        assert [t for c in chunks for t in c.token_ids] == [3, 4]
+        assert worker.streams_opened == 0 and worker.generate_calls == 1
+    finally:
+        await upstream.close()
+        await worker.stop()
+
+
+async def test_a_forgotten_worker_finishes_its_calls_then_its_stream_closes() -> None:
+    worker = await EchoWorker("w1", delay_s=0.1).start()
+    upstream = GrpcUpstream(drain_s=10)
+    try:
+        call = upstream.start("w1", worker.address, _generation([1, 2, 3, 4, 5]), 10)
+        await eventually(lambda: worker.streams == 1, what="the stream open on the worker")
+        upstream.forget("w1")
+        chunks = await _read_all(call)
+        assert [t for c in chunks for t in c.token_ids] == [1, 2, 3, 4, 5]
+        await eventually(lambda: worker.streams == 0, what="the retired stream closed")
+        assert len(upstream) == 0
+    finally:
+        await upstream.close()
+        await worker.stop()
