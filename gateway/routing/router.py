@@ -62,6 +62,7 @@ The ``kvroute`` policy, step by step:
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -90,6 +91,10 @@ FILL_TIE = 0.02
 # A prediction is never below this many tokens of work: the worker always
 # computes the last prompt token, even when every block is cached.
 _MIN_UNCACHED_TOKENS = 1
+# Fleets up to this size are scored in plain Python: numpy's per-call overhead
+# (~45 array operations a request) costs more than the arithmetic below it
+# (bench: ``python -m loadtest.bench_router_paths``).
+SMALL_FLEET = 32
 
 
 # Not frozen: the gateway builds one per worker per request, and a frozen
@@ -210,6 +215,8 @@ class Router:
         ws = sorted(workers, key=lambda w: w.worker_id)
         policy = self.config.policy
         if policy == "kvroute":
+            if len(ws) <= SMALL_FLEET:
+                return self._kvroute_small(request, ws)
             return self._kvroute(request, ws)
         if policy == "round_robin":
             start = self._cursor % len(ws)
@@ -332,6 +339,82 @@ class Router:
             ranked=tuple(ranked),
         )
 
+    def _kvroute_small(self, request: RouteRequest, ws: list[WorkerState]) -> Decision:
+        # ``_kvroute``'s steps, operation for operation, one worker at a time.
+        n, cfg, bs, prompt = len(ws), self.config, request.block_size, request.prompt_tokens
+        default_rate = cfg.default_prefill_tokens_per_s
+        rate = [w.prefill_tokens_per_s if w.prefill_tokens_per_s > 0 else default_rate for w in ws]
+        load = [max(w.running + w.waiting, w.inflight) for w in ws]
+        queues = [float(max(w.waiting, w.pending)) for w in ws]
+        work_s = [w.queued_prefill_tokens / r for w, r in zip(ws, rate, strict=True)]
+        q_limit = self._limit(queues, QUEUE_SLACK, 1.0)
+        w_limit = self._limit(work_s, WORK_SLACK_S, 0.0)
+        over = [q + 1.0 > q_limit and s > w_limit for q, s in zip(queues, work_s, strict=True)]
+        if all(over):
+            over = [False] * n
+        cached = [min(w.cached_blocks * bs, prompt) for w in ws]
+        fleet_cached = max(cached)
+        known = [w.capacity_blocks > 0 for w in ws]
+        fill = [
+            min(w.held_blocks / (w.capacity_blocks if k else 1.0), 1.0)
+            for w, k in zip(ws, known, strict=True)
+        ]
+        pressure = [1.0] * n
+        holders = [i for i in range(n) if known[i] and cached[i] == fleet_cached]
+        if fleet_cached > 0 and holders:
+            holder_fill = min(fill[i] for i in holders)
+            pressure = [
+                1.0 - max(0.0, holder_fill - f) if k else 1.0
+                for f, k in zip(fill, known, strict=True)
+            ]
+        share = self._share(request, float(fleet_cached))
+        cost = []
+        for i, w in enumerate(ws):
+            weight = 1.0 + (cfg.recompute_weight - 1.0) * pressure[i] * share
+            uncached = float(max(prompt - cached[i], _MIN_UNCACHED_TOKENS))
+            duplicate = max(fleet_cached - cached[i], 0.0)
+            work = w.queued_prefill_tokens + uncached + (weight - 1.0) * duplicate
+            decode = max(w.running, w.inflight) * cfg.decode_weight_s
+            cost.append(work / rate[i] + decode)
+        best = min(c for c, o in zip(cost, over, strict=True) if not o)
+        bound = best * (1 + TIE_RELATIVE) + TIE_ABSOLUTE_S
+        tied = [i for i in range(n) if not over[i] and cost[i] <= bound]
+        ids = [w.worker_id for w in ws]
+        session = next((i for i in tied if ids[i] == request.session_worker), None)
+        if session is not None and len(tied) > 1:
+            chosen, reason = session, "session"
+        else:
+            chosen = self._least_loaded_rotating_small(tied, fill, known, load)
+            if ws[chosen].cached_blocks > 0:
+                reason = "cache"
+            elif n > 1 and (len(tied) == 1 or len({load[i] for i in tied}) > 1):
+                reason = "load"
+            else:
+                reason = "fallback"
+        if reason != "session" and any(w.cached_blocks > ws[chosen].cached_blocks for w in ws):
+            reason = "load"
+        order = sorted(range(n), key=lambda i: (over[i], cost[i], load[i], i))
+        return Decision(
+            worker_id=ids[chosen],
+            reason=reason,
+            predicted_cached_tokens=int(cached[chosen]),
+            ranked=(ids[chosen], *(ids[i] for i in order if i != chosen)),
+        )
+
+    def _least_loaded_rotating_small(
+        self, tied: list[int], fill: list[float], known: list[bool], load: list[int]
+    ) -> int:
+        if len(tied) > 1 and all(known[i] for i in tied):
+            emptiest = min(fill[i] for i in tied)
+            tied = [i for i in tied if fill[i] <= emptiest + FILL_TIE]
+        low = min(load[i] for i in tied)
+        least = [i for i in tied if load[i] == low]
+        if len(least) == 1:
+            return least[0]
+        pick = least[self._cursor % len(least)]
+        self._cursor += 1
+        return pick
+
     def overloaded(self, workers: Sequence[WorkerState]) -> set[str]:
         """Ids of workers over the bounded-load limit (step 2), empty if all would be."""
         rate = np.array([self._rate(w) for w in workers], dtype=np.float64)
@@ -349,12 +432,16 @@ class Router:
         return np.zeros_like(over) if over.all() else over
 
     def _above_mask(self, values: np.ndarray, slack: float, extra: float = 0.0) -> np.ndarray:
-        mean = (float(values.sum()) + extra) / len(values)
+        return values + extra > self._limit(values.tolist(), slack, extra)
+
+    def _limit(self, values: list[float], slack: float, extra: float) -> float:
+        """The bounded-load limit on ``values`` (step 2), counting this request as ``extra``."""
+        # fsum is exactly rounded, so both paths get the same limit whatever the order.
+        mean = (math.fsum(values) + extra) / len(values)
         # On a small fleet a factor of 2 lets one worker hold most of the queue
         # (all of it on two workers): cap it at half, or three quarters on two.
         factor = min(self.config.balance_factor, max(1.5, len(values) / 2))
-        limit = max(factor * mean, mean + slack)
-        return values + extra > limit
+        return max(factor * mean, mean + slack)
 
     def _least_loaded_rotating(
         self, tied: np.ndarray, fill: np.ndarray, known: np.ndarray, load: np.ndarray

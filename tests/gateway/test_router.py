@@ -338,3 +338,33 @@ def test_a_short_shared_prefix_does_not_pin_a_long_prompt() -> None:
     # to save recomputing 32 tokens of 900.
     assert router.score(r, idle, 32) == pytest.approx((900 + 11 * 32 * 32 / 900) / 5000)
     assert router.choose(r, [holder, idle]).worker_id == "b"
+
+
+def test_the_small_fleet_path_decides_exactly_as_the_numpy_path() -> None:
+    # Same requests in the same order to two routers, one per path: every decision
+    # (worker, reason, prediction, fallback order) and the rotation are equal.
+    rng = random.Random(11)
+    for trial in range(300):
+        n = rng.choice([1, 2, 3, 4, 7, 8, 12, 16, 24, 32])
+        config = RouterConfig(recompute_weight=rng.choice([1.0, 12.0]))
+        small, columns = Router(config, rotation_start=trial), Router(config, rotation_start=trial)
+        for _ in range(5):
+            ws = [
+                WorkerState(
+                    f"w{i:02d}",
+                    cached_blocks=rng.choice([0, 0, 0, 2, 5, 12]),
+                    running=rng.randrange(4),
+                    waiting=rng.choice([0, 0, 1, 5]),
+                    queued_prefill_tokens=rng.choice([0, 0, 512, 20_000, 90_000]),
+                    prefill_tokens_per_s=rng.choice([0.0, 2000.0, 9000.0]),
+                    inflight=rng.randrange(4),
+                    pending=rng.choice([0, 0, 1, 3]),
+                    held_blocks=rng.randrange(0, 1200),
+                    capacity_blocks=rng.choice([0, 1000, 1000]),
+                )
+                for i in range(n)
+            ]
+            request = req(rng.choice([40, 160, 200]), session=rng.choice([None, "w00", "w01"]))
+            got = small._kvroute_small(request, ws)
+            assert got == columns._kvroute(request, ws), (trial, ws, request)
+            assert small._cursor == columns._cursor
