@@ -176,10 +176,12 @@ class MuxStream:
         self._next_id += 1
         call = MuxCall(self, call_id, request, timeout_s)
         self.calls[call_id] = call
-        error = self._status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-        call.timer = asyncio.get_running_loop().call_later(timeout_s, call.expire, error)
+        call.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, call)
         self._send(pb.CallFrame(call_id=call_id, request=request))
         return call
+
+    def _expire(self, call: MuxCall) -> None:
+        call.expire(self._status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
     def cancel_call(self, call_id: int) -> None:
         self.calls.pop(call_id, None)
