@@ -17,7 +17,8 @@ keeps today's per-call semantics on top of it:
   the stream start again as ``Generate`` calls, and so does every later one
   (``on_unimplemented``);
 - a retired stream (the worker left the registry) takes no new calls and is
-  closed from the gateway's side once its calls have ended.
+  closed from the gateway's side once its calls have ended;
+- however the stream ends, every call still waiting on it fails.
 
 Frames ready at the same time are written as one message.
 """
@@ -165,8 +166,7 @@ class MuxStream:
         self._tasks: list[asyncio.Task[None]] = []
         self.dead = False  # lost or unimplemented: the upstream opens another
         self.unimplemented = False  # the worker has no GenerateMany
-        self.retired = False
-        self._closing = False
+        self._closing = False  # retired: the writer ends the gateway's side when it is done
 
     def start(self, request: pb.GenerateRequest, timeout_s: float) -> MuxCall:
         """Sends ``request`` as a new call on this stream."""
@@ -191,7 +191,6 @@ class MuxStream:
     async def retire(self, within_s: float) -> None:
         """Takes no new calls; waits up to ``within_s`` for the running ones, then closes
         the gateway's side, which ends the stream on the worker."""
-        self.retired = True
         if self._call is None or self.dead:
             return
         loop = asyncio.get_running_loop()
@@ -237,7 +236,8 @@ class MuxStream:
             logger.debug("GenerateMany write ended: %r", exc)
 
     async def _read_loop(self) -> None:
-        error: UpstreamError | None = None
+        # However the stream ends, the calls still on it fail as their own calls would have.
+        error = self._status_error(grpc.StatusCode.CANCELLED, "the stream to the worker was closed")
         try:
             while True:
                 msg = await self._call.read()
@@ -251,16 +251,14 @@ class MuxStream:
                 self._fall_back()
                 return
             error = self._status_error(exc.code(), exc.details() or "")
-        except asyncio.CancelledError:
-            if not self.dead:  # the channel closed under the stream
-                error = self._status_error(grpc.StatusCode.CANCELLED, "the channel was closed")
-            raise
+        except Exception as exc:  # a malformed message: this stream cannot be trusted further
+            logger.exception("GenerateMany stream failed")
+            error = self._status_error(grpc.StatusCode.UNKNOWN, repr(exc))
         finally:
             self.dead = True
-            self._writer_stop()
-            if error is not None:
-                for call in list(self.calls.values()):
-                    call.deliver(error, last=True)
+            self._tasks[0].cancel()  # the writer: nothing it holds can be delivered now
+            for call in list(self.calls.values()):
+                call.deliver(error, last=True)
             self.calls.clear()
 
     def _deliver(self, frame: pb.ReplyFrame) -> None:
@@ -284,8 +282,3 @@ class MuxStream:
         self.calls.clear()
         self.dead = self.unimplemented = True
         self._on_unimplemented(waiting)
-
-    def _writer_stop(self) -> None:
-        for task in self._tasks[:1]:
-            if task is not asyncio.current_task():
-                task.cancel()

@@ -238,3 +238,18 @@ async def test_a_forgotten_worker_finishes_its_calls_then_its_stream_closes() ->
     finally:
         await upstream.close()
         await worker.stop()
+
+
+async def test_closing_the_upstream_fails_the_calls_waiting_on_it_at_once() -> None:
+    worker = await FakeWorker("w1", [5, 6], delay_s=5.0).start()
+    upstream = GrpcUpstream()
+    try:
+        call = upstream.start("w1", worker.address, _generation([1]), 60)
+        reading = asyncio.ensure_future(call.read())
+        await eventually(lambda: worker.requests, what="the call on the worker")
+        await upstream.close()
+        with pytest.raises(UpstreamError) as err:
+            await asyncio.wait_for(reading, 2)  # not the 60 s deadline
+        assert err.value.retryable
+    finally:
+        await worker.stop()
