@@ -18,6 +18,7 @@ from contract import worker_pb2 as pb
 from contract import worker_pb2_grpc
 from gateway.upstream.base import Chunk, Generation, UpstreamCall, UpstreamError
 from gateway.upstream.grpc_worker import GrpcUpstream
+from loadtest.scale_dispatcher import greedy_generation
 from tests.gateway.fakes import FakeWorker
 from tests.gateway.helpers import eventually
 
@@ -25,18 +26,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _generation(prompt: Sequence[int], request_id: str = "r") -> Generation:
-    return Generation(
-        request_id=request_id,
-        prompt_ids=prompt,
-        max_tokens=8,
-        temperature=0.0,
-        top_p=1.0,
-        top_k=0,
-        seed=None,
-        ignore_eos=False,
-        stop_token_ids=(),
-        cache_salt="",
-    )
+    return greedy_generation(request_id, list(prompt))
 
 
 async def _read_all(call: UpstreamCall) -> list[Chunk]:
