@@ -56,7 +56,12 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, Any, str]] = [
         "fleet cost of a duplicated prompt token vs a queued one",
     ),
     ("--session-ttl", float, 600.0, "seconds a session stays pinned after its last request"),
-    ("--speculative-ttl", float, 2.0, "seconds a routed prompt counts as cached (0 = off)"),
+    (
+        "--speculative-ttl",
+        float,
+        2.0,
+        "seconds a routed prompt counts as cached after its first token (and while it waits; 0 = off)",
+    ),
     ("--max-queue-per-worker", int, 0, "answer 429 when every worker queues this many (0 = off)"),
     ("--request-timeout", float, 600.0, "seconds a request may take end to end"),
     ("--max-body-bytes", int, 4 * 1024 * 1024, "largest accepted request body (413 above)"),

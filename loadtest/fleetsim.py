@@ -11,8 +11,9 @@ A discrete-event simulation of one gateway and N workers:
   parallel (a continuous batch) and keep their blocks pinned until they end.
 - The gateway's view of each worker is what its index mirror would hold: the
   worker's KV events (stored at prefill end, removed at eviction) applied
-  ``event_delay_s`` later, plus speculative entries for ``speculative_ttl_s``
-  after each routing, exactly as the gateway adds them. Registry load
+  ``event_delay_s`` later, plus speculative entries held from each routing
+  until the request's first token (at most ``first_token_timeout_s``) and
+  ``speculative_ttl_s`` after it, exactly as the gateway's dispatcher holds them. Registry load
   (running, waiting, queued prefill tokens, free blocks) is refreshed every
   ``heartbeat_s`` and corrected by ``gateway.routing.load.corrected_load``, the
   function the gateway's dispatcher calls; ``inflight`` is the gateway's own
@@ -59,6 +60,7 @@ class SimConfig:
     event_delay_s: float = 0.05
     heartbeat_s: float = 1.0  # 0 = the router sees live load
     speculative_ttl_s: float = 2.0
+    first_token_timeout_s: float = 60.0  # the gateway's default: bounds a speculative hold
     max_num_seqs: int = 0  # sequences a worker runs at once, prefill included (0 = no cap)
     session_ttl_s: float = 600.0
     policy: str = "kvroute"
@@ -86,6 +88,7 @@ class SimConfig:
             "event_delay_s",
             "heartbeat_s",
             "speculative_ttl_s",
+            "first_token_timeout_s",
             "session_ttl_s",
         ):
             if getattr(self, name) < 0:
@@ -96,6 +99,13 @@ class SimConfig:
     @property
     def capacity_blocks(self) -> int:
         return self.capacity_tokens // self.block_size
+
+    @property
+    def hold_s(self) -> float:
+        """A routed chain's longest speculative hold (``Dispatcher._hold_s``)."""
+        if self.speculative_ttl_s <= 0:
+            return 0.0
+        return self.first_token_timeout_s + self.speculative_ttl_s
 
 
 @dataclass(slots=True)
@@ -210,7 +220,7 @@ class FleetSimulation:
         rec.predicted_cached_tokens = min(
             predicted_blocks * self.cfg.block_size, shape.prompt_tokens
         )
-        self.index.speculate(wid, shape.block_keys, now, self.cfg.speculative_ttl_s)
+        self.index.speculate(wid, shape.block_keys, now, self.cfg.hold_s)
         self.inflight[wid] += 1
         self.pending[wid] += 1
         self.pending_prefill[wid] += shape.prompt_tokens - rec.predicted_cached_tokens
@@ -251,6 +261,9 @@ class FleetSimulation:
         rec.ttft_s = now - rec.arrival_s
         self.pending_prefill[w.wid] -= rec.shape.prompt_tokens - rec.predicted_cached_tokens
         self.pending[w.wid] -= 1
+        # The gateway's hold ends at the first token: the grace starts now.
+        if self.cfg.speculative_ttl_s > 0:
+            self.index.speculate(w.wid, rec.shape.block_keys, now, self.cfg.speculative_ttl_s)
         if rec.stored:
             self._push(now + self.cfg.event_delay_s, _STORED, (w.wid, rec.stored))
         w.current = None

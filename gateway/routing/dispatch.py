@@ -230,7 +230,10 @@ class Dispatcher:
             predicted = min(cached.get(wid, 0) * block_size, len(job.prompt_ids))
             now = time.monotonic()
             chain = cands.chains.get(wid, [])
-            self.index.speculate(wid, chain, now, self.speculative_ttl_s)
+            # Held while the request waits for its first token: a queued request's
+            # blocks are stored only when its prefill runs (a 2 s guess let the
+            # siblings of a request queued longer scatter on a saturated fleet).
+            self.index.speculate(wid, chain, now, self._hold_s())
             self.sessions.put(job.session_key, wid, now)
             load = self.loads.setdefault(wid, GatewayLoad())
             uncached = len(job.prompt_ids) - predicted
@@ -239,11 +242,12 @@ class Dispatcher:
             load.pending += 1
             load.pending_prefill_tokens += uncached
             if self.replicas is not None:
-                self.replicas.routed(wid, chain, job.session_key)
+                self.replicas.routed(wid, chain, job.session_key, self._hold_s())
             interval = stream_interval(self.stream_interval, self.open_streams)
             generation = job.for_worker(entry.record.max_model_len, attempt, interval)
             upstream = self.upstreams[getattr(entry.record, "transport", "") or DEFAULT_TRANSPORT]
             call = upstream.start(wid, entry.record.address, generation, max(0.001, deadline - now))
+            first: Chunk | None = None
             try:
                 first = await self._first_chunk(wid, call)
             except UpstreamError as exc:
@@ -269,6 +273,7 @@ class Dispatcher:
             finally:
                 load.pending -= 1
                 load.pending_prefill_tokens -= uncached
+                self._settle(wid, chain, served=first is not None)
                 if self.replicas is not None:
                     self.replicas.load_changed()
             self.metrics.requests.labels(wid, reason).inc()
@@ -291,6 +296,25 @@ class Dispatcher:
             code="no_workers",
             headers={"Retry-After": "1"},
         )
+
+    def _hold_s(self) -> float:
+        """How long a routed chain stays speculative at most: until its first token
+        (which the first-token timeout bounds), then the grace. 0: speculation off."""
+        if self.speculative_ttl_s <= 0:
+            return 0.0
+        return self.first_token_timeout_s + self.speculative_ttl_s
+
+    def _settle(self, wid: str, chain: list[int], *, served: bool) -> None:
+        """Ends the hold on ``chain``: the prompt is in the worker's cache (its events
+        land within the grace), or the worker failed it and holds nothing for it."""
+        if not chain or self.speculative_ttl_s <= 0:
+            return
+        if served:
+            self.index.speculate(wid, chain, time.monotonic(), self.speculative_ttl_s)
+        else:
+            self.index.withdraw(wid, chain)
+        if self.replicas is not None:
+            self.replicas.settled(wid, chain, self.speculative_ttl_s if served else 0.0)
 
     def _left(self, entry: WorkerEntry) -> bool:
         """Whether ``entry`` stopped being routable (a stalled engine only while others step)."""

@@ -275,6 +275,10 @@ class BlockIndex(IndexUpkeep):
         """Assumes ``worker_id`` holds ``hashes`` until ``now + ttl`` (monotonic seconds)."""
         self._spec.add(worker_id, hashes, now, ttl)
 
+    def withdraw(self, worker_id: str, hashes: Sequence[int]) -> None:
+        """Forgets ``worker_id``'s speculative entries for ``hashes`` (its call failed)."""
+        self._spec.withdraw(worker_id, hashes)
+
     def prune(self, now: float, limit: int = 0) -> int:
         """Drops expired speculative entries (``Speculation.prune``); returns how many went."""
         return self._spec.prune(now, limit)

@@ -14,8 +14,13 @@ workers' block sets), but three other things lived in one process only:
 So every replica appends to one Redis stream, ``{ns}:routes``:
 
 - a *route* entry per routed request (``w`` worker, ``s`` hashed session key,
-  ``c`` the prompt's block chain as packed little-endian u64): the others
-  speculate the chain on that worker and pin the session there;
+  ``c`` the prompt's block chain as packed little-endian u64, ``t`` seconds to
+  hold it): the others speculate the chain on that worker and pin the session
+  there;
+- a *settle* entry (``w``, ``c``, ``t``; no ``s``) when that request's first
+  token came (``t`` = the grace) or its worker failed it (``t`` = 0: withdrawn),
+  so every replica holds a queued request's chain exactly as long as its own
+  router does;
 - a *loads* entry (``l``: JSON ``{worker: [inflight, pending, pending prefill
   tokens]}``, this replica's whole in-flight view) when its counts changed, at
   most every ``FLUSH_S``, and at least every ``KEEPALIVE_S``. A peer's view
@@ -35,6 +40,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -108,15 +114,29 @@ class ReplicaSync:
 
     # -- this replica's side ---------------------------------------------------------
 
-    def routed(self, worker_id: str, chain: list[int], session_key: str | None) -> None:
+    def routed(
+        self, worker_id: str, chain: list[int], session_key: str | None, hold_s: float
+    ) -> None:
         """Tells the others that a request (its block chain, its session) went to ``worker_id``."""
-        entry: dict[str, bytes | str] = {"g": self.gateway_id, "w": worker_id}
-        if chain:
-            entry["c"] = np.asarray(chain[:MAX_CHAIN], dtype="<u8").tobytes()
+        entry = self._chain_entry(worker_id, chain, hold_s)
         if session_key:
             entry["s"] = session_key
         self._outbox.append(entry)
         self.load_changed()
+
+    def settled(self, worker_id: str, chain: list[int], ttl_s: float) -> None:
+        """Tells the others how much longer ``chain`` counts as held (0: withdrawn)."""
+        if chain:
+            self._outbox.append(self._chain_entry(worker_id, chain, ttl_s))
+            self._wake.set()
+
+    def _chain_entry(
+        self, worker_id: str, chain: list[int], seconds: float
+    ) -> dict[str, bytes | str]:
+        entry: dict[str, bytes | str] = {"g": self.gateway_id, "w": worker_id, "t": f"{seconds:g}"}
+        if chain:
+            entry["c"] = np.asarray(chain[:MAX_CHAIN], dtype="<u8").tobytes()
+        return entry
 
     def load_changed(self) -> None:
         """This replica's in-flight counts changed: send them with the next flush."""
@@ -203,9 +223,13 @@ class ReplicaSync:
         if not self.known_worker(wid):
             return
         chain = fields.get(b"c")
-        if chain:
+        if chain and self.speculative_ttl_s > 0:
             hashes = np.frombuffer(chain, dtype="<u8").tolist()
-            self.index.speculate(wid, hashes, now, self.speculative_ttl_s)
+            seconds = _seconds(fields.get(b"t"), self.speculative_ttl_s)
+            if seconds > 0:
+                self.index.speculate(wid, hashes, now, seconds)
+            else:
+                self.index.withdraw(wid, hashes)
         session = fields.get(b"s")
         if session:
             self.sessions.put(session.decode(), wid, now)
@@ -256,6 +280,17 @@ class _Outage:
         if self.failing:
             logger.info("replica sync: can %s again", self.what)
         self.failing = False
+
+
+def _seconds(raw: bytes | None, default: float) -> float:
+    """An entry's hold in seconds (older replicas send none: ``default``)."""
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        return default
+    return value if math.isfinite(value) else default
 
 
 async def _close(client: Any) -> None:

@@ -1,8 +1,11 @@
-"""Speculative index entries: blocks a worker is assumed to hold for a few seconds.
+"""Speculative index entries: blocks a worker is assumed to hold before its events say so.
 
 Right after a request is routed, its worker is assumed to hold the request's
 blocks until its real cache events land, so a burst of siblings stays
-together. Entries expire from a heap ordered by expiry: ``prune`` costs
+together. The dispatcher holds the entries while the request waits for its
+first token (a queued request's blocks are stored only when its prefill
+runs, however long the queue) and then for a short grace, and withdraws them
+when the worker fails the request. Entries expire from a heap ordered by expiry: ``prune`` costs
 O(expired), not O(all). ``BlockIndex`` owns one and reads ``by_hash`` in its
 lookup loop directly (a method call per block would double the walk's cost).
 """
@@ -40,6 +43,16 @@ class Speculation:
         self.added += 1
         heapq.heappush(self._heap, (expiry, self.added, worker_id, tuple(hashes)))
 
+    def withdraw(self, worker_id: str, hashes: Sequence[int]) -> None:
+        """Forgets ``worker_id``'s entries for ``hashes`` at once (their heap items stay)."""
+        by_hash = self.by_hash
+        for h in hashes:
+            ws = by_hash.get(h)
+            if ws is not None and ws.pop(worker_id, None) is not None:
+                self.pairs -= 1
+                if not ws:
+                    del by_hash[h]
+
     def prune(self, now: float, limit: int = 0) -> int:
         """Drops expired entries; returns how many went. O(expired).
 
@@ -68,12 +81,7 @@ class Speculation:
         """Forgets every entry of ``worker_id`` (its heap items stay until they expire)."""
         for _, _, w, hashes in self._heap:
             if w == worker_id:
-                for h in hashes:
-                    ws = self.by_hash.get(h)
-                    if ws is not None and ws.pop(worker_id, None) is not None:
-                        self.pairs -= 1
-                        if not ws:
-                            del self.by_hash[h]
+                self.withdraw(worker_id, hashes)
 
     def nbytes(self) -> int:
         """Estimated memory of the entries and the heap."""

@@ -292,6 +292,48 @@ async def test_speculative_entries_keep_siblings_together(
         assert len(set(workers)) == 3  # cold ties rotate
 
 
+async def test_a_queued_request_keeps_its_chain_until_its_first_token(
+    make_gateway: MakeGateway,
+) -> None:
+    # A 0.2 s grace, a first token after 0.8 s: the sibling sent at 0.5 s still finds
+    # the chain held on the first request's worker (no cache events ever arrive here).
+    import asyncio
+
+    gateway = await make_gateway(speculative_ttl_s=0.2)
+    for wid in ("a", "b", "c"):
+        await gateway.add_worker(wid, "slow answer", delay_s=0.8)
+    messages = [{"role": "user", "content": "a long queued document " * 30}]
+    first = asyncio.create_task(gateway.chat(messages))
+    await asyncio.sleep(0.5)
+    second = await gateway.chat(messages)
+    one = await first
+    assert one.status == second.status == 200
+    assert second.headers["x-kvroute-worker"] == one.headers["x-kvroute-worker"]
+    assert second.headers["x-kvroute-reason"] == "cache"
+    # After the first tokens, only the grace is left.
+    chain = gateway.chat_hashes(messages)
+    await eventually(lambda: gateway.state.index.longest_prefix(chain, _now()) == {})
+
+
+async def test_a_failed_call_withdraws_its_speculation(gateway: Harness) -> None:
+    import grpc
+
+    await gateway.add_worker("a", fail=grpc.StatusCode.UNAVAILABLE)
+    messages = [{"role": "user", "content": "never served " * 20}]
+    resp = await gateway.chat(messages)
+    assert resp.status == 503
+    chain = gateway.chat_hashes(messages)
+    # The worker holds nothing for a call it failed: no sibling is drawn to it.
+    assert gateway.state.index.longest_prefix(chain, _now()) == {}
+    assert gateway.state.index.speculative_count() == 0
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
+
+
 async def test_queue_limit_gives_429(make_gateway: MakeGateway) -> None:
     gateway = await make_gateway(max_queue_per_worker=2)
     _, reg = await gateway.add_worker("a")

@@ -62,6 +62,21 @@ def test_speculation_off_and_drop_clears_it() -> None:
     assert index.longest_prefix([1, 2], now=1.0) == {}
 
 
+def test_withdrawn_speculation_is_gone_at_once_and_pruned_once() -> None:
+    index = BlockIndex()
+    index.speculate("a", [1, 2, 3], now=0.0, ttl=60.0)
+    index.speculate("b", [1, 2], now=0.0, ttl=60.0)
+    index.withdraw("a", [1, 2, 3])
+    assert index.longest_prefix([1, 2, 3], now=1.0) == {"b": 2}
+    assert index.speculative_count() == 2
+    index.withdraw("a", [1, 2, 3])  # twice: nothing more to forget
+    assert index.speculative_count() == 2
+    # The grace after a first token shortens a hold; the hold's heap item finds it gone.
+    index.speculate("b", [1, 2], now=1.0, ttl=2.0)
+    assert index.prune(now=3.5) == 2 and index.speculative_count() == 0
+    assert index.prune(now=100.0) == 0 and index.speculative_count() == 0
+
+
 def _reference_prefix(model: dict[str, set[int]], chain: list[int]) -> dict[str, int]:
     out = {}
     for w, held in model.items():

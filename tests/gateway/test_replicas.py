@@ -66,6 +66,24 @@ async def test_a_conversation_keeps_its_worker_across_replicas(
     assert all(g.state.dispatcher.replicas.applied > 0 for g in gateways)  # type: ignore[union-attr]
 
 
+async def test_a_peer_holds_a_queued_chain_until_its_first_token(
+    make_gateway: MakeGateway,
+) -> None:
+    # Grace 0.2 s, first token after 0.8 s: a sibling at the other replica 0.5 s later
+    # still goes where the first went; once it is served, both forget the chain.
+    a, b = await _replicas(make_gateway, 2, speculative_ttl_s=0.2)
+    await _fleet([a, b], 3, reply="slow answer", delay_s=0.8)
+    messages = [{"role": "user", "content": "a document queued at one replica " * 20}]
+    first = asyncio.create_task(a.chat(messages))
+    await asyncio.sleep(0.5)
+    second = await b.chat(messages)
+    one = await first
+    assert one.status == second.status == 200
+    assert second.headers["x-kvroute-worker"] == one.headers["x-kvroute-worker"]
+    chain = b.chat_hashes(messages)
+    await eventually(lambda: b.state.index.longest_prefix(chain, time.monotonic()) == {})
+
+
 async def test_without_sync_the_replicas_do_not_share_sessions(make_gateway: MakeGateway) -> None:
     gateways = await _replicas(make_gateway, 3, replica_sync=False)
     await _fleet(gateways, 4)
@@ -133,7 +151,8 @@ async def test_a_dead_redis_only_loses_the_sharing(caplog: pytest.LogCaptureFixt
     tasks = sync.start()
     try:
         for _ in range(5):
-            sync.routed("w0", [1, 2, 3], "s")
+            sync.routed("w0", [1, 2, 3], "s", hold_s=62.0)
+            sync.settled("w0", [1, 2, 3], 2.0)
             await asyncio.sleep(0.1)
         assert not any(t.done() for t in tasks)  # still trying, nothing raised
         warnings = [r for r in caplog.records if "replica sync: cannot" in r.getMessage()]

@@ -90,6 +90,39 @@ def test_router_view_lags_by_the_event_delay() -> None:
     assert recs[2].worker == recs[0].worker and recs[2].cached_tokens == 19
 
 
+def test_speculation_holds_until_the_first_token_then_the_grace() -> None:
+    # Both workers are busy for 10 s, so "a" queues; "b" arrives at 5 s, past a 1 s
+    # grace, and still finds "a"'s chain held on a's worker. After a's first token
+    # only the grace is left.
+    cfg = SimConfig(
+        workers=2,
+        block_size=10,
+        capacity_tokens=10_000,
+        prefill_tokens_per_s=100.0,
+        event_delay_s=100.0,  # no real event lands during the test
+        speculative_ttl_s=1.0,
+        heartbeat_s=0.0,
+    )
+    sim = FleetSimulation(cfg)
+    chain = tuple(range(1, 21))
+    recs = sim.run(
+        [
+            shape("x0", 0.0, (101,), 1000, out=1),
+            shape("x1", 0.0, (102,), 1000, out=1),
+            shape("a", 0.1, chain, 200, out=1),
+            shape("b", 5.0, chain, 200, out=1),
+        ]
+    )
+    _, _, a, b = recs
+    assert a.start_s is not None and a.start_s >= 10.0  # it queued behind a busy worker
+    assert b.worker == a.worker and b.predicted_cached_tokens == 200
+    # (The run ends after the late real events too: count the speculative pairs alone.)
+    sim.index.prune(a.arrival_s + a.ttft_s + 0.5)
+    assert sim.index.speculative_count() == 20  # held: the grace, and b waiting
+    sim.index.prune(b.arrival_s + b.ttft_s + 1.5)
+    assert sim.index.speculative_count() == 0
+
+
 def test_multi_turn_follows_after_the_previous_answer() -> None:
     cfg = SimConfig(
         workers=1, block_size=10, capacity_tokens=100, prefill_tokens_per_s=100.0, decode_step_s=0.5
