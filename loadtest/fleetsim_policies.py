@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from gateway.routing.prefix_demand import PrefixDemand
 from gateway.routing.router import Router, RouterConfig, RouteRequest
 from loadtest.baselines import Chwbl, SglangLike
 from loadtest.workloads import RequestShape
@@ -63,14 +64,19 @@ def make_route(sim: FleetSimulation) -> Route:
         )
     )
 
+    demand = PrefixDemand()
+
     def route_gateway(shape: RequestShape, now: float) -> tuple[str, str, int]:
         cached = sim.index.longest_prefix(shape.block_keys, now)
+        deepest = max(cached.values(), default=0)
+        wanted = demand.observe(shape.block_keys[deepest - 1], now) if deepest else 1.0
         states = [sim.worker_state(wid, cached.get(wid, 0), now) for wid in wids]
         decision = router.choose(
             RouteRequest(
                 prompt_tokens=shape.prompt_tokens,
                 block_size=cfg.block_size,
                 session_worker=sim.session_worker(shape, now),
+                prefix_demand=wanted,
             ),
             states,
         )

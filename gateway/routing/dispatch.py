@@ -29,6 +29,7 @@ from gateway.routing.jobs import Candidates, Job, Stream, first_chunk, stream_in
 from gateway.routing.load import GatewayLoad, router_view
 from gateway.routing.mirror import IndexMirror
 from gateway.routing.mirror_state import WorkerEntry
+from gateway.routing.prefix_demand import PrefixDemand
 from gateway.routing.record_check import RecordCheck
 from gateway.routing.replicas import ReplicaSync
 from gateway.routing.router import Decision, Router, RouteRequest, WorkerState
@@ -82,6 +83,7 @@ class Dispatcher:
         self.inter_token_timeout_s = inter_token_timeout_s
         self.record_check = record_check or RecordCheck(metrics.registry, stall_s=5.0)
         self.loads: dict[str, GatewayLoad] = {}
+        self.prefix_demand = PrefixDemand()
         self._down_until: dict[str, float] = {}
         # Set by the app when replicas share routing (``gateway.routing.replicas``).
         self.replicas: ReplicaSync | None = None
@@ -202,12 +204,24 @@ class Dispatcher:
                 headers={"Retry-After": "1"},
             )
         first = cands.entries[0].spec
+        now = time.monotonic()
         request = RouteRequest(
             prompt_tokens=len(job.prompt_ids),
             block_size=first.block_size if first else 16,
-            session_worker=self.sessions.get(job.session_key, time.monotonic()),
+            session_worker=self.sessions.get(job.session_key, now),
+            prefix_demand=self._demand(cands, cached, now),
         )
         return self.router.choose(request, states)
+
+    def _demand(self, cands: Candidates, cached: dict[str, int], now: float) -> float:
+        """How many requests lately wanted this one's longest cached prefix (it included)."""
+        if not cached:
+            return 1.0
+        wid = max(cached, key=cached.__getitem__)
+        n, chain = cached[wid], cands.chains.get(wid)
+        if n <= 0 or not chain or n > len(chain):
+            return 1.0
+        return self.prefix_demand.observe(chain[n - 1], now)
 
     # -- sending ---------------------------------------------------------------------
 

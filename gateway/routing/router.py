@@ -47,7 +47,17 @@ The ``kvroute`` policy, step by step:
    it, requests sharing only a short prefix piled onto that prefix's holders
    (the 500-request Mooncake replay of ``bench_peers`` on 16 emulated workers:
    hit rate 0.131 over four runs, 0.148 over five with it; sglang-router 0.157). Tokens
-   no worker holds cost the same everywhere and are not weighted.
+   no worker holds cost the same everywhere and are not weighted. ``share`` is
+   divided by the square root of the prefix's ``demand``: how many requests
+   lately wanted that same longest cached prefix (``RouteRequest.prefix_demand``).
+   A conversation's own history is wanted by its next turn only (demand 1, the
+   full charge); a system prompt every new user sends is wanted by all of them,
+   and once a second worker holds it each later request can use either, so
+   one duplicate's cost is spread over many requests. Without it a shared
+   system prompt kept new conversations on its first holders until their
+   caches were fuller than an empty one (sweep: 74 -> 75 of 80 cells, every
+   ``chat`` and ``bursty`` cell's hit margin up; a linear division instead of
+   the square root: 64, duplicating hot Zipf prefixes everywhere).
    docs/ROUTING.md has the sweep behind each rule.
 4. Workers within ``TIE_RELATIVE`` (plus ``TIE_ABSOLUTE_S``) of the best score are tied: the
    session's last worker wins a tie, then the emptiest cache (fills within
@@ -144,6 +154,9 @@ class RouteRequest:
     prompt_tokens: int
     block_size: int
     session_worker: str | None = None  # the worker this session last used, if any
+    # Requests that lately wanted the same longest cached prefix, this one included
+    # (``gateway.routing.prefix_demand``; 1 = only this one): step 3's ``demand``.
+    prefix_demand: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -279,8 +292,12 @@ class Router:
 
     @staticmethod
     def _share(request: RouteRequest, fleet_cached_tokens: float) -> float:
-        """The fraction of the prompt that the longest cached prefix covers (step 3)."""
-        return min(fleet_cached_tokens / max(request.prompt_tokens, 1), 1.0)
+        """The fraction of the prompt that the longest cached prefix covers, over the
+        square root of the prefix's demand (step 3)."""
+        share = min(fleet_cached_tokens / max(request.prompt_tokens, 1), 1.0)
+        if request.prefix_demand > 1.0:
+            share /= math.sqrt(request.prefix_demand)
+        return share
 
     def _rate(self, w: WorkerState) -> float:
         return w.prefill_tokens_per_s or self.config.default_prefill_tokens_per_s

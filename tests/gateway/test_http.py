@@ -328,6 +328,19 @@ async def test_a_failed_call_withdraws_its_speculation(gateway: Harness) -> None
     assert gateway.state.index.speculative_count() == 0
 
 
+async def test_the_router_is_told_how_many_requests_want_a_prefix(gateway: Harness) -> None:
+    await gateway.add_worker("a")
+    messages = [{"role": "user", "content": "the same shared document " * 20}]
+    for _ in range(3):
+        assert (await gateway.chat(messages)).status == 200
+    # The first found nothing cached; the next two found the chain (speculated on a)
+    # and were counted against its deepest block, as is this probe.
+    chain = gateway.chat_hashes(messages)
+    demand = gateway.state.dispatcher.prefix_demand
+    assert len(demand) == 1
+    assert demand.observe(chain[-1], _now()) == pytest.approx(3.0, abs=0.01)
+
+
 def _now() -> float:
     import time
 

@@ -22,8 +22,10 @@ from gateway.routing.router import (
 BS = 16
 
 
-def req(prompt: int = 160, session: str | None = None) -> RouteRequest:
-    return RouteRequest(prompt_tokens=prompt, block_size=BS, session_worker=session)
+def req(prompt: int = 160, session: str | None = None, demand: float = 1.0) -> RouteRequest:
+    return RouteRequest(
+        prompt_tokens=prompt, block_size=BS, session_worker=session, prefix_demand=demand
+    )
 
 
 def test_predicted_ttft_hand_computed() -> None:
@@ -165,6 +167,27 @@ def test_duplicate_charge_follows_cache_pressure() -> None:
         "a", 62, waiting=1, queued_prefill_tokens=1500, held_blocks=100, capacity_blocks=1000
     )
     assert router.choose(r, [roomy, empty]).worker_id == "a"
+
+
+def test_a_prefix_many_requests_want_is_cheaper_to_duplicate() -> None:
+    router = Router(RouterConfig(recompute_weight=12.0, decode_weight_s=0.0))
+    # a holds a 992-token system prompt with room to spare and 3,000 tokens queued;
+    # b is empty. One conversation's own prefix (demand 1) stays on a: recomputing it on
+    # b would cost the fleet more than a's queue costs this request.
+    holder = WorkerState(
+        "a", 62, waiting=1, queued_prefill_tokens=3000, held_blocks=100, capacity_blocks=1000
+    )
+    empty = WorkerState("b", 0, held_blocks=0, capacity_blocks=1000)
+    pressure, share = 1 - 0.1, 992 / 1064
+    once = (1064 + 11 * pressure * share * 992) / 5000
+    assert router.score(req(1064), empty, 992, holder_fill=0.1) == pytest.approx(once)
+    assert router.choose(req(1064), [holder, empty]).worker_id == "a"
+    # The same prefix wanted by 25 requests lately (every new user's system prompt):
+    # the charge is divided by sqrt(25), and b, which will serve the next ones too, wins.
+    hot = (1064 + 11 * pressure * share / 5 * 992) / 5000
+    assert router.score(req(1064, demand=25), empty, 992, holder_fill=0.1) == pytest.approx(hot)
+    assert hot < (3000 + 72) / 5000 < once
+    assert router.choose(req(1064, demand=25), [holder, empty]).worker_id == "b"
 
 
 def test_worker_load_takes_larger_of_registry_and_inflight() -> None:
@@ -314,7 +337,11 @@ def test_vectorised_policy_equals_the_scalar_reference_on_random_fleets() -> Non
             )
             for i in range(n)
         ]
-        request = req(rng.choice([40, 160, 200]), session=rng.choice([None, "w00", "w01"]))
+        request = req(
+            rng.choice([40, 160, 200]),
+            session=rng.choice([None, "w00", "w01"]),
+            demand=rng.choice([1.0, 1.0, 3.5, 40.0]),
+        )
         router = Router(RouterConfig(recompute_weight=rng.choice([1.0, 12.0])))
         expected = _reference_choice(router, request, ws)
         d = router.choose(request, ws)
@@ -364,7 +391,11 @@ def test_the_small_fleet_path_decides_exactly_as_the_numpy_path() -> None:
                 )
                 for i in range(n)
             ]
-            request = req(rng.choice([40, 160, 200]), session=rng.choice([None, "w00", "w01"]))
+            request = req(
+                rng.choice([40, 160, 200]),
+                session=rng.choice([None, "w00", "w01"]),
+                demand=rng.choice([1.0, 1.0, 3.5, 40.0]),
+            )
             got = small._kvroute_small(request, ws)
             assert got == columns._kvroute(request, ws), (trial, ws, request)
             assert small._cursor == columns._cursor
