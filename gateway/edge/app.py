@@ -255,6 +255,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
             dispatcher.loads,
             speculative_ttl_s=config.speculative_ttl_s,
             known_worker=mirror.workers.__contains__,
+            prefix_demand=dispatcher.prefix_demand,
         )
     keys = (
         ApiKeys.load(config.api_keys_file, config.tenant_salt_secret)

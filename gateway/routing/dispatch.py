@@ -215,13 +215,8 @@ class Dispatcher:
 
     def _demand(self, cands: Candidates, cached: dict[str, int], now: float) -> float:
         """How many requests lately wanted this one's longest cached prefix (it included)."""
-        if not cached:
-            return 1.0
-        wid = max(cached, key=cached.__getitem__)
-        n, chain = cached[wid], cands.chains.get(wid)
-        if n <= 0 or not chain or n > len(chain):
-            return 1.0
-        return self.prefix_demand.observe(chain[n - 1], now)
+        deepest = _deepest_block(cands, cached)
+        return 1.0 if deepest is None else self.prefix_demand.observe(deepest, now)
 
     # -- sending ---------------------------------------------------------------------
 
@@ -256,7 +251,9 @@ class Dispatcher:
             load.pending += 1
             load.pending_prefill_tokens += uncached
             if self.replicas is not None:
-                self.replicas.routed(wid, chain, job.session_key, self._hold_s())
+                self.replicas.routed(
+                    wid, chain, job.session_key, self._hold_s(), _deepest_block(cands, cached)
+                )
             interval = stream_interval(self.stream_interval, self.open_streams)
             generation = job.for_worker(entry.record.max_model_len, attempt, interval)
             upstream = self.upstreams[getattr(entry.record, "transport", "") or DEFAULT_TRANSPORT]
@@ -430,3 +427,14 @@ class Dispatcher:
                 task.cancel()
                 call.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+
+
+def _deepest_block(cands: Candidates, cached: dict[str, int]) -> int | None:
+    """The last block of the longest cached prefix any candidate holds (None: none)."""
+    if not cached:
+        return None
+    wid = max(cached, key=cached.__getitem__)
+    n, chain = cached[wid], cands.chains.get(wid)
+    if n <= 0 or not chain or n > len(chain):
+        return None
+    return chain[n - 1]

@@ -39,18 +39,22 @@ class PrefixDemand:
     def __len__(self) -> int:
         return len(self._counts)
 
+    def wanted(self, block_hash: int, now: float) -> float:
+        """The decayed count of earlier requests for ``block_hash`` (0.0: none), uncounted."""
+        seen = self._counts.get(block_hash)
+        if seen is None:
+            return 0.0
+        count, at = seen
+        return count * math.exp(-max(now - at, 0.0) / self.tau_s)
+
     def observe(self, block_hash: int, now: float) -> float:
         """Counts one more request wanting ``block_hash`` at ``now``; returns the demand
         including it (1.0 for a prefix nobody wanted lately)."""
         counts = self._counts
-        seen = counts.get(block_hash)
-        if seen is None:
-            demand = 1.0
-            if len(counts) >= self.max_keys:
-                counts.popitem(last=False)
-        else:
-            count, at = seen
-            demand = 1.0 + count * math.exp(-max(now - at, 0.0) / self.tau_s)
+        if block_hash in counts:
             counts.move_to_end(block_hash)
+        elif len(counts) >= self.max_keys:
+            counts.popitem(last=False)
+        demand = 1.0 + self.wanted(block_hash, now)
         counts[block_hash] = (demand, now)
         return demand

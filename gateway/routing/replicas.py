@@ -15,8 +15,9 @@ So every replica appends to one Redis stream, ``{ns}:routes``:
 
 - a *route* entry per routed request (``w`` worker, ``s`` hashed session key,
   ``c`` the prompt's block chain as packed little-endian u64, ``t`` seconds to
-  hold it): the others speculate the chain on that worker and pin the session
-  there;
+  hold it, ``p`` the last block of its longest cached prefix, decimal): the
+  others speculate the chain on that worker, pin the session there and count
+  the request in that prefix's demand (``gateway.routing.prefix_demand``);
 - a *settle* entry (``w``, ``c``, ``t``; no ``s``) when that request's first
   token came (``t`` = the grace) or its worker failed it (``t`` = 0: withdrawn),
   so every replica holds a queued request's chain exactly as long as its own
@@ -52,6 +53,7 @@ from redis.exceptions import RedisError
 
 from gateway.routing.index import BlockIndex
 from gateway.routing.load import GatewayLoad
+from gateway.routing.prefix_demand import PrefixDemand
 from gateway.routing.sessions import SessionMap
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ class ReplicaSync:
         *,
         speculative_ttl_s: float,
         known_worker: Callable[[str], bool],
+        prefix_demand: PrefixDemand | None = None,
     ) -> None:
         self.client_factory = client_factory
         self.stream_key = stream_key
@@ -94,6 +97,7 @@ class ReplicaSync:
         self.loads = loads  # this replica's own counts (the Dispatcher's)
         self.speculative_ttl_s = speculative_ttl_s
         self.known_worker = known_worker
+        self.prefix_demand = prefix_demand
         self.gateway_id = uuid.uuid4().hex[:12]
         self._outbox: list[dict[str, bytes | str]] = []
         self._dirty = False
@@ -115,12 +119,20 @@ class ReplicaSync:
     # -- this replica's side ---------------------------------------------------------
 
     def routed(
-        self, worker_id: str, chain: list[int], session_key: str | None, hold_s: float
+        self,
+        worker_id: str,
+        chain: list[int],
+        session_key: str | None,
+        hold_s: float,
+        wanted_prefix: int | None = None,
     ) -> None:
-        """Tells the others that a request (its block chain, its session) went to ``worker_id``."""
+        """Tells the others that a request (its block chain, its session, the end of its
+        longest cached prefix) went to ``worker_id``."""
         entry = self._chain_entry(worker_id, chain, hold_s)
         if session_key:
             entry["s"] = session_key
+        if wanted_prefix is not None:
+            entry["p"] = str(wanted_prefix)
         self._outbox.append(entry)
         self.load_changed()
 
@@ -233,6 +245,10 @@ class ReplicaSync:
         session = fields.get(b"s")
         if session:
             self.sessions.put(session.decode(), wid, now)
+        wanted = fields.get(b"p")
+        if wanted and self.prefix_demand is not None:
+            with contextlib.suppress(ValueError):
+                self.prefix_demand.observe(int(wanted), now)
 
     async def follow_forever(self) -> None:
         """Reads the stream from now on and applies the other replicas' entries."""

@@ -17,6 +17,7 @@ def test_demand_counts_requests_and_decays_with_time() -> None:
     # ten seconds later the three earlier requests count e^-1 each
     assert d.observe(7, now=10.0) == pytest.approx(1 + 3 * math.exp(-1))
     assert d.observe(8, now=10.0) == 1.0  # another prefix has its own count
+    assert d.wanted(8, now=10.0) == 1.0 and d.wanted(9, now=10.0) == 0.0  # reading counts none
     # a clock that steps back never inflates the count
     assert d.observe(8, now=5.0) == 2.0
 

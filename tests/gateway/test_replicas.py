@@ -84,6 +84,22 @@ async def test_a_peer_holds_a_queued_chain_until_its_first_token(
     await eventually(lambda: b.state.index.longest_prefix(chain, time.monotonic()) == {})
 
 
+async def test_a_prefix_wanted_at_one_replica_counts_at_the_others(
+    make_gateway: MakeGateway,
+) -> None:
+    a, b = await _replicas(make_gateway, 2)
+    await _fleet([a, b], 1)
+    messages = [{"role": "user", "content": "a document every replica sees " * 20}]
+    for _ in range(3):  # the first finds nothing cached; the next two the speculated chain
+        assert (await a.chat(messages)).status == 200
+    chain = b.chat_hashes(messages)
+    demand = b.state.dispatcher.prefix_demand
+    await eventually(
+        lambda: demand.wanted(chain[-1], time.monotonic()) > 1.9, what="both peer entries"
+    )
+    assert len(demand) == 1 and demand.wanted(chain[-1], time.monotonic()) < 2.0
+
+
 async def test_without_sync_the_replicas_do_not_share_sessions(make_gateway: MakeGateway) -> None:
     gateways = await _replicas(make_gateway, 3, replica_sync=False)
     await _fleet(gateways, 4)
