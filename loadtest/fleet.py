@@ -31,6 +31,9 @@ from loadtest.child_logs import ChildLog, echo_target
 logger = logging.getLogger(__name__)
 
 
+_PORT_RETRIES = 3
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
@@ -107,6 +110,7 @@ class WorkerProcess:
     grpc_port: int
     http_port: int
     proc: subprocess.Popen[bytes]
+    port_retries: int = 0  # starts again after its port was taken (``_PORT_RETRIES`` at most)
 
     @property
     def http_url(self) -> str:
@@ -202,6 +206,11 @@ class Fleet:
         self.redis_url = f"redis://127.0.0.1:{port}/0"
 
     def start_worker(self, index: int) -> WorkerProcess:
+        worker = self._launch_worker(index)
+        self.workers.append(worker)
+        return worker
+
+    def _launch_worker(self, index: int) -> WorkerProcess:
         cfg = self.config
         worker_id = f"worker-{index}"
         grpc_port, http_port = free_port(), free_port()
@@ -236,9 +245,40 @@ class Fleet:
             *cfg.worker_args,
         ]
         proc = self._spawn(worker_id, args, self.worker_env())
-        worker = WorkerProcess(worker_id, grpc_port, http_port, proc)
-        self.workers.append(worker)
-        return worker
+        return WorkerProcess(worker_id, grpc_port, http_port, proc)
+
+    def _relaunch_if_port_taken(self, slot: int) -> bool:
+        """Starts the worker in ``slot`` again on fresh ports when it died because one of
+        its ports was taken: ``free_port`` only finds a port free *now*, and the fleet's
+        own outgoing connections (sixteen workers to Redis) draw from the same range."""
+        worker = self.workers[slot]
+        log = self.logs.get(worker.worker_id)
+        if log is not None:
+            log.join()
+        if worker.port_retries >= _PORT_RETRIES or log is None:
+            return False
+        if "address already in use" not in log.tail(40).lower():
+            return False
+        logger.warning("%s: its port was taken as it started; starting it again", worker.worker_id)
+        fresh = self._launch_worker(int(worker.worker_id.rsplit("-", 1)[1]))
+        fresh.port_retries = worker.port_retries + 1
+        self.workers[slot] = fresh
+        return True
+
+    def _wait_worker_listens(self, slot: int, deadline: float) -> None:
+        while True:
+            worker = self.workers[slot]
+            try:
+                _wait_for_port(
+                    worker.grpc_port,
+                    max(1.0, deadline - time.monotonic()),
+                    worker.proc,
+                    self.logs.get(worker.worker_id),
+                )
+                return
+            except RuntimeError:
+                if not self._relaunch_if_port_taken(slot):
+                    raise
 
     def start_gateway(self) -> None:
         cfg = self.config
@@ -265,13 +305,8 @@ class Fleet:
         """Blocks until every worker listens and the gateway sees all of them."""
         cfg = self.config
         deadline = time.monotonic() + cfg.startup_timeout
-        for worker in self.workers:
-            _wait_for_port(
-                worker.grpc_port,
-                max(1.0, deadline - time.monotonic()),
-                worker.proc,
-                self.logs.get(worker.worker_id),
-            )
+        for slot in range(len(self.workers)):
+            self._wait_worker_listens(slot, deadline)
         assert self.gateway is not None
         _wait_for_port(
             self.gateway_port,
@@ -289,8 +324,11 @@ class Fleet:
                 )
             # A worker can die after its port answered (another process held that port):
             # fail now with its log instead of waiting out the start-up timeout.
-            for worker in self.workers:
+            for slot, worker in enumerate(self.workers):
                 if worker.proc.poll() is not None:
+                    if self._relaunch_if_port_taken(slot):
+                        self._wait_worker_listens(slot, deadline)
+                        continue
                     log = self.logs.get(worker.worker_id)
                     if log is not None:
                         log.join()

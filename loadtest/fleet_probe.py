@@ -24,6 +24,51 @@ _COUNTER_RE = re.compile(
 )
 
 
+_GATEWAY_RE = re.compile(
+    r"^kvroute_gateway_(prompt_tokens|predicted_cached_tokens|cached_tokens|requests)_total"
+    r"(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$",
+    re.M,
+)
+_REASON_RE = re.compile(r'reason="([a-z]+)"')
+
+
+def gateway_counters(gateway_urls: Sequence[str]) -> dict[str, float]:
+    """kvroute gateways' routing counters, summed over ``gateway_urls`` (replicas):
+    prompt tokens routed, the tokens the index predicted cached, the tokens the workers
+    reported cached, and requests per routing reason (``requests:REASON``)."""
+    out: dict[str, float] = {}
+    for url in gateway_urls:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            parse_gateway_counters(resp.read().decode(), out)
+    return out
+
+
+def parse_gateway_counters(text: str, into: dict[str, float]) -> dict[str, float]:
+    """Adds one gateway's ``/metrics`` counters (``gateway_counters``' keys) to ``into``."""
+    for name, labels, value in _GATEWAY_RE.findall(text):
+        if name == "requests":
+            reason = _REASON_RE.search(labels or "")
+            name = f"requests:{reason.group(1) if reason else 'unknown'}"
+        into[name] = into.get(name, 0.0) + float(value)
+    return into
+
+
+def gateway_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """What the gateways predicted over a run against what the workers then reported."""
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    prompt = delta.get("prompt_tokens", 0.0)
+    ratio = (lambda k: delta.get(k, 0.0) / prompt) if prompt else (lambda k: math.nan)
+    return {
+        "predicted_hit_rate": ratio("predicted_cached_tokens"),
+        "reported_hit_rate": ratio("cached_tokens"),
+        "reasons": {
+            k.split(":", 1)[1]: int(v)
+            for k, v in sorted(delta.items())
+            if k.startswith("requests:")
+        },
+    }
+
+
 def get_json(url: str, timeout: float = 10.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return json.loads(resp.read())

@@ -46,7 +46,13 @@ from loadtest import aiperf_client, stats
 from loadtest.bench_fleet import FleetBenchConfig, fleet_config
 from loadtest.client import ClientConfig, RequestResult, send_one
 from loadtest.fleet import Fleet, free_port
-from loadtest.fleet_probe import counters_delta, served_model, worker_counters
+from loadtest.fleet_probe import (
+    counters_delta,
+    gateway_counters,
+    gateway_figures,
+    served_model,
+    worker_counters,
+)
 from loadtest.fleet_summary import unscale
 from loadtest.peers_report import verdict
 from loadtest.workloads import (
@@ -225,6 +231,8 @@ def run_workload(
     model = served_model(worker_urls[0])
     reset_caches(worker_urls)
     before = worker_counters(worker_urls)
+    gateways = workload_gateways(urls, worker_urls)
+    gateways_before = gateway_counters(gateways) if gateways else {}
     if workload == "mooncake":
         binary = aiperf_client.ensure_aiperf(mcfg.aiperf_venv)
         cache = work / "hub"
@@ -261,7 +269,24 @@ def run_workload(
     out["hit_rate"] = delta["hit_rate"]
     out["max_worker_share"] = max(delta["prompt_share"].values(), default=float("nan"))
     out["prompt_tokens"] = delta["prompt_tokens"]
+    if gateways:
+        # The index's predictions beside the workers' counts: a gap is the index's error
+        # (stale or speculative entries), a low prediction the routing's choices.
+        out["gateway"] = gateway_figures(gateways_before, gateway_counters(gateways))
     return out
+
+
+def workload_gateways(urls: Sequence[str], worker_urls: Sequence[str]) -> list[str]:
+    """The kvroute gateways among ``urls`` (a peer router's URL is not one)."""
+    out = []
+    for url in urls:
+        try:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+                if b"kvroute_gateway_" in resp.read():
+                    out.append(url)
+        except OSError:
+            pass
+    return [u for u in out if u not in worker_urls]
 
 
 def run_router(

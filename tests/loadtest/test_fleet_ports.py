@@ -1,0 +1,46 @@
+"""Fleet start-up survives a worker whose port was taken between ``free_port`` and its bind.
+
+A real fleet (Redis, one emulated worker, the gateway): the first port handed to
+the worker is one this test holds open, as the fleet's own outgoing connections
+can hold one on a busy host; the worker dies on it and is started again on fresh ports.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from loadtest import fleet as fleet_module
+from loadtest.fleet import Fleet, FleetConfig
+
+
+def test_a_worker_whose_port_is_taken_starts_again(
+    smollm2: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    real = fleet_module.free_port
+    calls = iter(range(1000))
+
+    def free_port() -> int:
+        # Call 0 is Redis's port; call 1 the worker's gRPC port: hand it the taken one.
+        return int(taken.getsockname()[1]) if next(calls) == 1 else real()
+
+    monkeypatch.setattr(fleet_module, "free_port", free_port)
+    cfg = FleetConfig(
+        model=str(smollm2),
+        workers=1,
+        worker_args=("--engine", "emulated", "--profile", "h100-llama3.1-8b"),
+        startup_timeout=120.0,
+    )
+    try:
+        with Fleet(cfg) as fleet:
+            (worker,) = fleet.workers
+            assert worker.port_retries == 1
+            assert worker.grpc_port != taken.getsockname()[1]
+            assert fleet.healthy_workers() == 1
+    finally:
+        taken.close()
