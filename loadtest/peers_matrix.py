@@ -359,7 +359,9 @@ def run(cfg: FleetBenchConfig, pcfg: Any, mcfg: MatrixConfig, command: str) -> d
         for router, rows in by_router.items():
             r = rows.get(workload, {})
             workloads[workload][router] = (
-                {k: r[k] for k in keys} if "hit_rate" in r else {"error": r.get("error", "?")}
+                {k: r[k] for k in (*keys, "gateway") if k in r}
+                if "hit_rate" in r
+                else {"error": r.get("error", "?")}
             )
     return {
         "workloads": workloads,
