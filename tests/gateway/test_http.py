@@ -338,7 +338,8 @@ async def test_the_router_is_told_how_many_requests_want_a_prefix(gateway: Harne
     chain = gateway.chat_hashes(messages)
     demand = gateway.state.dispatcher.prefix_demand
     assert len(demand) == 1
-    assert demand.wanted(chain[-1], _now()) == pytest.approx(2.0, abs=0.01)
+    # Two requests counted (each decays over 30 s: a slow host may take a second here).
+    assert 1.8 < demand.wanted(chain[-1], _now()) <= 2.0
 
 
 def _now() -> float:

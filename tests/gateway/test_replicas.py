@@ -94,10 +94,11 @@ async def test_a_prefix_wanted_at_one_replica_counts_at_the_others(
         assert (await a.chat(messages)).status == 200
     chain = b.chat_hashes(messages)
     demand = b.state.dispatcher.prefix_demand
+    # One entry counts at most 1 (it decays over 30 s): above 1.5, both were applied.
     await eventually(
-        lambda: demand.wanted(chain[-1], time.monotonic()) > 1.9, what="both peer entries"
+        lambda: demand.wanted(chain[-1], time.monotonic()) > 1.5, what="both peer entries"
     )
-    assert len(demand) == 1 and demand.wanted(chain[-1], time.monotonic()) < 2.0
+    assert len(demand) == 1 and demand.wanted(chain[-1], time.monotonic()) <= 2.0
 
 
 async def test_without_sync_the_replicas_do_not_share_sessions(make_gateway: MakeGateway) -> None:
