@@ -133,6 +133,18 @@ def worker_load(http_url: str) -> dict[str, int]:
     return dict(call(http_url + "/get_load").body)
 
 
+_FIRST_TOKENS = re.compile(
+    r'^kvroute_gateway_ttft_seconds_count\{[^}]*worker_id="([^"]+)"[^}]*\}\s+([0-9.eE+-]+)$',
+    re.M,
+)
+
+
+def first_tokens_relayed(gateway_url: str) -> dict[str, int]:
+    """Per worker, the streams whose first token the gateway has relayed (its TTFT count)."""
+    text = worker_metrics_text(gateway_url)
+    return {wid: int(float(v)) for wid, v in _FIRST_TOKENS.findall(text)}
+
+
 def dashboard(gateway_url: str) -> dict[str, dict[str, Any]]:
     """The gateway's mirror as its dashboard reports it: worker id -> row."""
     data = call(gateway_url + "/dashboard/data").body

@@ -27,6 +27,7 @@ from tests.reliability.fleetkit import (
     call,
     dashboard,
     fault_fleet_config,
+    first_tokens_relayed,
     model_name,
     stream,
     wait_for,
@@ -226,9 +227,13 @@ async def test_worker_killed_under_load(fleet: Fleet, redis_server: RedisProcess
         tasks = [asyncio.create_task(stream(session, url, b)) for b in bodies]
 
         def busy_worker() -> tuple[int, dict[str, int]] | None:
+            # Running requests still in their first prefill have no token out yet: a kill
+            # then retries them elsewhere, cleanly. Wait for one whose first token the
+            # gateway has relayed (none of the 400-token streams has ended this early).
+            relayed = first_tokens_relayed(fleet.gateway_url)
             for i, w in enumerate(fleet.workers):
                 load = worker_load(w.http_url)
-                if load["running"] >= 1 and load["waiting"] >= 2:
+                if load["running"] >= 1 and load["waiting"] >= 2 and relayed.get(w.worker_id):
                     return i, load
             return None
 
