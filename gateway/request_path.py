@@ -248,7 +248,10 @@ async def tokenize(state: GatewayState, req: ChatRequest | CompletionRequest) ->
         )
     if isinstance(req.prompt, str):
         check_size(state, len(req.prompt), "prompt")
-        return await tok.aencode_prompt(req.prompt)
+        limit = state.dispatcher.max_model_len(tok.max_model_len)
+        return await tok.aencode_prompt(
+            req.prompt, remember_below=limit - (req.sampling.max_tokens or 1)
+        )
     prompt = Prompt(list(req.prompt))
     if max(prompt.ids) >= tok.vocab_size:
         raise APIError(400, "a prompt token id is outside the vocabulary", param="prompt")

@@ -7,6 +7,13 @@ score the workers (the real ``Dispatcher.route`` over an 8-worker in-memory
 fleet). Measured twice — with incremental tokenization (earlier turns' ids
 reused) and with a full re-tokenization each turn — beside the cost of
 tokenizing the whole final prompt. Prints one JSON object.
+
+``plain_prompts``: the same for ``/v1/completions`` text prompts, tokenized
+with and without the word-boundary prompt cache (``gateway.text.prompt_prefix``):
+the first ``--prompts-limit`` requests of a Mooncake-format trace, each
+``hash_id`` standing for ``--words-per-block`` words of text, so prompts share
+text exactly where the trace's requests share blocks (as aiperf's
+``mooncake_trace`` prompts do). ``ids_identical`` checks the two modes agree.
 """
 
 from __future__ import annotations
@@ -223,6 +230,67 @@ def run(
     }
 
 
+def run_prompts(model: str, trace: Path, limit: int, words_per_block: int) -> dict[str, Any]:
+    """Tokenizing trace-shaped plain prompts with and without the prompt cache."""
+    model_dir = resolve_model_dir(model)
+    rows = []
+    with trace.open() as f:
+        for line in f:
+            if len(rows) >= limit:
+                break
+            rows.append(json.loads(line)["hash_ids"])
+    blocks: dict[int, str] = {}
+
+    def block(h: int) -> str:
+        if h not in blocks:
+            blocks[h] = _text(random.Random(h), words_per_block) + " "
+        return blocks[h]
+
+    prompts = ["".join(block(h) for h in ids) for ids in rows]
+    out: dict[str, Any] = {}
+    ids_by_mode: dict[str, list[list[int]]] = {}
+    for mode in ("prompt_cache", "plain"):
+        tok = ChatTokenizer(model_dir, incremental=(mode == "prompt_cache"))
+
+        async def tokenize_all(tok: ChatTokenizer = tok) -> tuple[list[float], list[list[int]]]:
+            ms, ids = [], []
+            for text in prompts:
+                t0 = time.perf_counter()
+                prompt = await tok.aencode_prompt(text)
+                ms.append((time.perf_counter() - t0) * 1e3)
+                ids.append(prompt.ids)
+            return ms, ids
+
+        ms, ids_by_mode[mode] = asyncio.run(tokenize_all())
+        out[mode] = {**_summary(ms), "mean_ms": round(statistics.fmean(ms), 4)}
+        cache = tok.prompt_cache
+        if cache is not None:
+            total = sum(len(i) for i in ids_by_mode[mode])
+            out[mode]["reused_token_fraction"] = round(cache.reused_tokens / total, 4)
+            out[mode]["hits"] = cache.hits
+    seen: set[int] = set()
+    shared = total_blocks = 0
+    for ids in rows:
+        k = 0
+        while k < len(ids) and ids[k] in seen:
+            k += 1
+        shared += k
+        total_blocks += len(ids)
+        seen.update(ids)
+    return {
+        "trace": trace.name,
+        "requests": len(rows),
+        "words_per_block": words_per_block,
+        "mean_prompt_tokens": round(
+            statistics.fmean(len(i) for i in ids_by_mode["plain"]) if rows else 0.0, 1
+        ),
+        "trace_prefix_block_fraction": round(shared / max(total_blocks, 1), 4),
+        **out,
+        "mean_speedup": round(out["plain"]["mean_ms"] / out["prompt_cache"]["mean_ms"], 3),
+        "ids_identical": ids_by_mode["plain"] == ids_by_mode["prompt_cache"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.bench_gateway", description=__doc__.splitlines()[0]
@@ -241,10 +309,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument(
+        "--prompts-trace",
+        type=Path,
+        default=Path(__file__).parent / "traces" / "mooncake_conversation_trace.jsonl",
+    )
+    parser.add_argument("--prompts-limit", type=int, default=1000, help="0: skip plain prompts")
+    parser.add_argument("--words-per-block", type=int, default=40)
     args = parser.parse_args(argv)
     result = run(
         args.model, args.conversations, args.turns, args.words_per_message, args.workers, args.seed
     )
+    if args.prompts_limit > 0:
+        result["plain_prompts"] = run_prompts(
+            args.model, args.prompts_trace, args.prompts_limit, args.words_per_block
+        )
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:

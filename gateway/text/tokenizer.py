@@ -3,7 +3,8 @@
 ``apply_chat_template(messages, add_generation_prompt=True)`` rendered to text
 and encoded without extra special tokens gives exactly the ids the worker
 computes, so the gateway's block hashes match the worker's. Multi-turn chats
-reuse the ids of earlier turns (``gateway.text.prefix_tokens``); a long uncached
+reuse the ids of earlier turns (``gateway.text.prefix_tokens``), plain prompts
+those of text shared with earlier prompts (``gateway.text.prompt_prefix``); a long uncached
 suffix is tokenized on an executor thread with the Rust tokenizer's
 ``encode_batch``, which releases the GIL (plain ``encode`` holds it for the
 whole call: measured, a 5 s encode on a thread left the loop one tick), so
@@ -14,6 +15,7 @@ Transformers' tokenizers work without torch; this module never imports it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.text.prefix_tokens import PrefixTokenCache, Prompt
+from gateway.text.prompt_prefix import ANCHOR_CHARS, PromptPrefixCache, ids_before, is_cut
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +36,15 @@ _PROBE = [
     {"role": "assistant", "content": " 世界 ok.\n"},
     {"role": "user", "content": "\t<b>x</b> "},
 ]
+# Probe text for the word-boundary split identity of plain prompts: prose, code, digits,
+# contractions, doubled spaces and tabs, accents, CJK, emoji and markup next to the cuts.
+_PROMPT_PROBE = (
+    "The quick brown fox's den isn't far.\nIt jumped  over 12,345 lazy dogs; "
+    "naïve café owners said: 'hello world' again.\n\ndef main(x):\n    return x * 2  # ok\n"
+    "Über straße 東京 is big \tTab here.\r\nWindows line\nπ ≈ 3.14159 and émigré "
+    "résumé 😀 smile <b>bold</b> text.\n- item one\n- item two\n1. first\n"
+    "URL http://example.com/a b c?x=1&y=2 end.\n\n\n  Indented line\n\tTabbed line\nLast"
+)
 
 
 def _max_model_len(model_dir: Path, tokenizer: Any) -> int:
@@ -73,12 +85,18 @@ class ChatTokenizer:
         self.prefix_cache: PrefixTokenCache | None = None
         if incremental and getattr(self.tokenizer, "chat_template", None):
             self.prefix_cache = self._build_prefix_cache(cache_entries, cache_tokens)
+        self.prompt_cache: PromptPrefixCache | None = None
+        if incremental and self._fast is not None and self._splits_at_word_cuts():
+            self.prompt_cache = PromptPrefixCache(
+                max_entries=cache_entries, max_tokens=cache_tokens
+            )
         logger.info(
-            "tokenizer %s: vocab %d, max_model_len %d, incremental %s",
+            "tokenizer %s: vocab %d, max_model_len %d, incremental chats %s, prompts %s",
             self.model_dir,
             self.vocab_size,
             self.max_model_len,
             self.prefix_cache is not None,
+            self.prompt_cache is not None,
         )
 
     # -- rendering and encoding ---------------------------------------------------
@@ -126,19 +144,47 @@ class ChatTokenizer:
             return Prompt(ids, plan.entry)
         return Prompt(ids, plan.entry, cache.remember(text, ids))
 
-    async def aencode_prompt(self, text: str) -> Prompt:
-        """Ids of a plain completion prompt (the tokenizer's own special tokens added)."""
-        if len(text) >= self.executor_min_chars:
-            loop = asyncio.get_running_loop()
-            ids = await loop.run_in_executor(None, self._encode_releasing_gil, text, True)
-            return Prompt(ids)
-        return Prompt(self._encode_prompt(text))
+    async def aencode_prompt(self, text: str, *, remember_below: int | None = None) -> Prompt:
+        """Ids of a plain completion prompt (the tokenizer's own special tokens added).
 
-    async def _encode_maybe_off_loop(self, text: str) -> list[int]:
+        A prompt sharing text with a remembered one reuses that prefix's ids up
+        to a word-boundary cut (``gateway.text.prompt_prefix``); the prompt is
+        then remembered if it has fewer than ``remember_below`` tokens.
+        """
+        cache = self.prompt_cache
+        if cache is None or len(text) < ANCHOR_CHARS:
+            return Prompt(await self._encode_maybe_off_loop(text, add_special_tokens=True))
+        plan = cache.plan(text)
+        tail = text[plan.cut :]
+        encoding = await self._encoding_maybe_off_loop(tail, add_special_tokens=not plan.cut)
+        ids = plan.prefix_ids + list(encoding.ids)
+        if remember_below is None or len(ids) < remember_below:
+            cache.remember(text, ids, encoding, plan.keys, shift=plan.cut)
+        return Prompt(ids)
+
+    async def _encode_maybe_off_loop(
+        self, text: str, *, add_special_tokens: bool = False
+    ) -> list[int]:
         if len(text) >= self.executor_min_chars:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(None, self._encode_releasing_gil, text)
-        return self.encode_text(text)
+            return await loop.run_in_executor(
+                None, self._encode_releasing_gil, text, add_special_tokens
+            )
+        return self.encode_text(text, add_special_tokens=add_special_tokens)
+
+    async def _encoding_maybe_off_loop(self, text: str, *, add_special_tokens: bool) -> Any:
+        """The Rust tokenizer's ``Encoding`` (ids and offsets); long texts on an executor."""
+        assert self._fast is not None  # the prompt cache exists only with a fast tokenizer
+        if len(text) >= self.executor_min_chars:
+            loop = asyncio.get_running_loop()
+            batch = await loop.run_in_executor(
+                None,
+                functools.partial(
+                    self._fast.encode_batch, [text], add_special_tokens=add_special_tokens
+                ),
+            )
+            return batch[0]
+        return self._fast.encode(text, add_special_tokens=add_special_tokens)
 
     async def remember_answer(self, messages: Sequence[Mapping[str, Any]], answer: str) -> None:
         """Pre-tokenizes the chat as the client's next turn will resend it.
@@ -175,9 +221,6 @@ class ChatTokenizer:
         for spec in list(plan.entry.chains) if plan.entry is not None else []:
             prompt.block_hashes(spec)
 
-    def _encode_prompt(self, text: str) -> list[int]:
-        return self.encode_text(text, add_special_tokens=True)
-
     def _encode_releasing_gil(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """``encode_text`` for an executor thread: ``encode_batch`` lets the loop run meanwhile."""
         if self._fast is not None:
@@ -208,6 +251,22 @@ class ChatTokenizer:
                 return None
             p = text.find(marker, p + 1)
         return cache
+
+    def _splits_at_word_cuts(self) -> bool:
+        """Whether ids of plain text split at every word-boundary cut of the probe text."""
+        assert self._fast is not None
+        full = self._fast.encode(_PROMPT_PROBE, add_special_tokens=True)
+        ids = list(full.ids)
+        checked = 0
+        for p in range(1, len(_PROMPT_PROBE)):
+            if not is_cut(_PROMPT_PROBE, p):
+                continue
+            n = ids_before(full, p)  # exactly as the cache finds the ids before a cut
+            if n is None or ids[:n] + self.encode_text(_PROMPT_PROBE[p:]) != ids:
+                logger.info("incremental prompts off: ids do not split at character %d", p)
+                return False
+            checked += 1
+        return checked > 0
 
     def _find_marker(self) -> str:
         """The special token that opens the generation prompt (and so every message)."""

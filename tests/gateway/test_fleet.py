@@ -270,6 +270,24 @@ def test_gateway_ids_equal_worker_ids(fleet: Fleet) -> None:
     assert tok.prefix_cache is not None and tok.prefix_cache.hits > 0
 
 
+def test_gateway_prompt_ids_equal_worker_ids(fleet: Fleet) -> None:
+    """Plain prompts sharing long text prefixes: the gateway's incremental ids (reusing the
+    shared prefix, ``gateway.text.prompt_prefix``) equal what the worker tokenizes itself."""
+    tok = ChatTokenizer(fleet.model)
+    assert tok.prompt_cache is not None
+    worker_http = f"http://127.0.0.1:{fleet.workers['w0'].extra['http_port']}"
+    rng = random.Random(5)
+    pieces = [" the", " cache", "\n", "\n\n", " é", "世界", "🙂", "  ", ".", " 42", "\t", "ok"]
+    shared = "".join(rng.choices(pieces, k=400))
+    for _ in range(6):
+        prompt = shared[: rng.randint(len(shared) // 2, len(shared))]
+        prompt += "".join(rng.choices(pieces, k=rng.randint(0, 60)))
+        ours = asyncio.run(tok.aencode_prompt(prompt)).ids
+        theirs = _post(worker_http + "/v1/completions/render", {"prompt": prompt})
+        assert ours == theirs["token_ids"]
+    assert tok.prompt_cache.hits > 0
+
+
 def _chat_raw(client: OpenAI, model: str, messages: list[dict[str, str]]) -> tuple[str, str, Any]:
     raw = client.chat.completions.with_raw_response.create(
         model=model, messages=messages, max_tokens=8, temperature=0

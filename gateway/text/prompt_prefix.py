@@ -1,0 +1,175 @@
+"""Incremental tokenization of plain completion prompts that share text with earlier ones.
+
+Agents, RAG and replayed conversations send ``/v1/completions`` prompts that
+repeat long stretches of earlier prompts. Chats are split at message markers
+(``gateway.text.prefix_tokens``); a plain prompt has none, so this module cuts
+it at word boundaries instead.
+
+Why a word boundary is safe: the byte-level BPE tokenizers of Llama 3, Qwen,
+GPT-2 and SmolLM pre-split text with a regex, left to right, and BPE never
+merges across those pieces. Each piece ends at the first character its
+pattern cannot take, so a piece that ends before ``" word"`` (a space between
+a non-space and a letter) or after ``"\\n"`` followed by a non-space ends there
+whatever follows; the ids of everything before such a *cut* are those of the
+text before it, and the text after it tokenizes the same on its own.
+``encode(text) == encode(text[:p]) + encode(text[p:])``. ``ChatTokenizer``
+checks that identity on probe texts when it loads a tokenizer and turns this
+cache off where it fails (SentencePiece ``Metaspace`` tokenizers, say).
+A cut is also only taken where the remembered encoding has a token starting
+exactly there, right after one that ends there (never inside an added token).
+
+What is remembered: for each prompt, its ids once, and for every
+``ANCHOR_CHARS`` of its text a key (a chained 128-bit digest of the text up to
+that anchor) naming the last cut before the anchor. A new prompt digests its
+own anchors the same way and reuses the ids up to the cut of its longest
+remembered anchor, then tokenizes only the rest. Bounded LRU over prompts
+(entries and total tokens); ids are kept as 4-byte arrays.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import xxhash
+
+# Text between two anchors: a shared prefix is found to within this many characters.
+ANCHOR_CHARS = 256
+# How far back from an anchor to look for a cut, in characters.
+_CUT_SEARCH_CHARS = 256
+
+
+class Spans(Protocol):
+    """Token <-> character maps of one tokenization (a ``tokenizers.Encoding`` is one)."""
+
+    def __len__(self) -> int: ...
+    def char_to_token(self, char_pos: int) -> int | None: ...
+    def token_to_chars(self, token_index: int) -> tuple[int, int] | None: ...
+
+
+def ids_before(spans: Spans, p: int) -> int | None:
+    """How many tokens precede character ``p``, if a token starts exactly there right
+    after one that ends there (so ``p`` is not inside a token or an added token)."""
+    i = spans.char_to_token(p)
+    if i is None or i == 0:
+        return None
+    here, before = spans.token_to_chars(i), spans.token_to_chars(i - 1)
+    if here is None or before is None or here[0] != p or before[1] != p or before[0] >= p:
+        return None
+    return i
+
+
+def is_cut(text: str, p: int) -> bool:
+    """Whether ``text[p:]`` starts a new pre-tokenizer piece whatever precedes it (see above)."""
+    if p <= 0 or p >= len(text) - 1:
+        return False
+    c = text[p]
+    before = text[p - 1]
+    if before == "\n":
+        return not c.isspace()
+    return c == " " and not before.isspace() and text[p + 1].isalpha()
+
+
+def anchor_keys(text: str) -> list[bytes]:
+    """The chained digest of ``text[:k * ANCHOR_CHARS]`` for k = 1, 2, ... (whole anchors)."""
+    keys: list[bytes] = []
+    digest = b""
+    for end in range(ANCHOR_CHARS, len(text) + 1, ANCHOR_CHARS):
+        chunk = text[end - ANCHOR_CHARS : end].encode("utf-8", "surrogatepass")
+        digest = xxhash.xxh3_128_digest(digest + chunk)
+        keys.append(digest)
+    return keys
+
+
+@dataclass
+class _Remembered:
+    """One prompt's ids and the anchor keys that point at them."""
+
+    slot: int
+    ids: array
+    keys: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """Reuse ``prefix_ids`` (the ids of ``text[:cut]``), tokenize ``text[cut:]``."""
+
+    prefix_ids: list[int]
+    cut: int
+    keys: list[bytes]  # the text's anchor keys, for remembering it afterwards
+
+
+class PromptPrefixCache:
+    """Remembers token ids of plain prompts at word-boundary cuts (bounded LRU)."""
+
+    def __init__(self, *, max_entries: int = 4096, max_tokens: int = 8_000_000) -> None:
+        self.max_entries = max_entries
+        self.max_tokens = max_tokens
+        self._prompts: OrderedDict[int, _Remembered] = OrderedDict()
+        self._anchors: dict[bytes, tuple[_Remembered, int, int]] = {}  # key -> (prompt, n, cut)
+        self._tokens = 0
+        self._next_slot = 0
+        self.hits = 0
+        self.misses = 0
+        self.reused_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._tokens
+
+    def plan(self, text: str) -> PromptPlan:
+        """The ids of the longest remembered cut-aligned prefix of ``text`` (or none)."""
+        keys = anchor_keys(text)
+        for key in reversed(keys):
+            found = self._anchors.get(key)
+            if found is not None:
+                remembered, n, cut = found
+                self._prompts.move_to_end(remembered.slot)
+                self.hits += 1
+                self.reused_tokens += n
+                return PromptPlan(remembered.ids[:n].tolist(), cut, keys)
+        self.misses += 1
+        return PromptPlan([], 0, keys)
+
+    def remember(
+        self, text: str, ids: list[int], spans: Spans, keys: list[bytes], *, shift: int = 0
+    ) -> None:
+        """Stores ``ids`` (the whole prompt's) under each anchor that has a cut before it.
+
+        ``spans`` maps characters of ``text[shift:]`` to the last ``spans``-many
+        ids and back (the ids before them, a reused prefix, need none).
+        """
+        if self.max_entries <= 0 or not keys or len(ids) > self.max_tokens:
+            return
+        skip = len(ids) - spans.__len__()
+        entries: list[tuple[bytes, int, int]] = []
+        for k, key in enumerate(keys):
+            # The cut's next character must lie inside the anchor too (``is_cut`` reads it).
+            anchor = (k + 1) * ANCHOR_CHARS
+            for p in range(anchor - 2, max(shift, anchor - _CUT_SEARCH_CHARS), -1):
+                if is_cut(text, p):
+                    n = ids_before(spans, p - shift)
+                    if n is not None:
+                        entries.append((key, skip + n, p))
+                        break
+        if not entries:
+            return
+        self._next_slot += 1
+        remembered = _Remembered(self._next_slot, array("i", ids))
+        self._prompts[remembered.slot] = remembered
+        self._tokens += len(ids)
+        for key, n, cut in entries:
+            self._anchors[key] = (remembered, n, cut)
+            remembered.keys.append(key)
+        while len(self._prompts) > self.max_entries or self._tokens > self.max_tokens:
+            _, evicted = self._prompts.popitem(last=False)
+            self._tokens -= len(evicted.ids)
+            for key in evicted.keys:
+                found = self._anchors.get(key)
+                if found is not None and found[0] is evicted:
+                    del self._anchors[key]
