@@ -104,9 +104,13 @@ async def test_a_prefix_wanted_at_one_replica_counts_at_the_others(
 async def test_without_sync_the_replicas_do_not_share_sessions(make_gateway: MakeGateway) -> None:
     gateways = await _replicas(make_gateway, 3, replica_sync=False)
     await _fleet(gateways, 4)
-    seen = await _turns(gateways, conversations=8, turns=4)
-    # Each replica balances alone, so a conversation's turns land on other workers.
-    assert any(len(set(ws)) > 1 for ws in seen.values()), seen
+    seen = await _turns(gateways, conversations=8, turns=1)  # also waits as sync would
+    # Each replica knows the sessions it served and no other (with sync each knows all
+    # eight). Whether a later turn through another replica then moves depends on that
+    # replica's own ties and loads, which differ run to run: what sharing removes.
+    for i, g in enumerate(gateways):
+        served = [conv for c, conv in enumerate(seen) if c % len(gateways) == i]
+        assert len(g.state.dispatcher.sessions) == len(served), (i, served)
     assert all(g.state.dispatcher.replicas is None for g in gateways)
 
 
