@@ -146,7 +146,7 @@ class PromptPrefixCache:
         """
         if self.max_entries <= 0 or not keys or len(ids) > self.max_tokens:
             return
-        skip = len(ids) - spans.__len__()
+        skip = len(ids) - len(spans)
         entries: list[tuple[bytes, int, int]] = []
         for k, key in enumerate(keys):
             # The cut's next character must lie inside the anchor too (``is_cut`` reads it).

@@ -15,7 +15,6 @@ Transformers' tokenizers work without torch; this module never imports it.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -177,13 +176,9 @@ class ChatTokenizer:
         assert self._fast is not None  # the prompt cache exists only with a fast tokenizer
         if len(text) >= self.executor_min_chars:
             loop = asyncio.get_running_loop()
-            batch = await loop.run_in_executor(
-                None,
-                functools.partial(
-                    self._fast.encode_batch, [text], add_special_tokens=add_special_tokens
-                ),
+            return await loop.run_in_executor(
+                None, self._encoding_releasing_gil, text, add_special_tokens
             )
-            return batch[0]
         return self._fast.encode(text, add_special_tokens=add_special_tokens)
 
     async def remember_answer(self, messages: Sequence[Mapping[str, Any]], answer: str) -> None:
@@ -224,9 +219,13 @@ class ChatTokenizer:
     def _encode_releasing_gil(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """``encode_text`` for an executor thread: ``encode_batch`` lets the loop run meanwhile."""
         if self._fast is not None:
-            batch = self._fast.encode_batch([text], add_special_tokens=add_special_tokens)
-            return list(batch[0].ids)
+            return list(self._encoding_releasing_gil(text, add_special_tokens).ids)
         return self.encode_text(text, add_special_tokens=add_special_tokens)
+
+    def _encoding_releasing_gil(self, text: str, add_special_tokens: bool) -> Any:
+        """The Rust tokenizer's ``Encoding`` through ``encode_batch``, which releases the GIL."""
+        assert self._fast is not None
+        return self._fast.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     # -- incremental set-up ---------------------------------------------------------
 
