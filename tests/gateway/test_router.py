@@ -183,11 +183,33 @@ def test_a_prefix_many_requests_want_is_cheaper_to_duplicate() -> None:
     assert router.score(req(1064), empty, 992, holder_fill=0.1) == pytest.approx(once)
     assert router.choose(req(1064), [holder, empty]).worker_id == "a"
     # The same prefix wanted by 25 requests lately (every new user's system prompt):
-    # the charge is divided by sqrt(25), and b, which will serve the next ones too, wins.
-    hot = (1064 + 11 * pressure * share / 5 * 992) / 5000
+    # the charge is divided by sqrt(25), the fill gap counts 1 + 2 x (1 - 1/25) times
+    # (shared_fill_gain 3), and b, which will serve the next ones too, wins.
+    hot_pressure = 1 - (1 + 2 * (1 - 1 / 25)) * 0.1
+    hot = (1064 + 11 * hot_pressure * share / 5 * 992) / 5000
     assert router.score(req(1064, demand=25), empty, 992, holder_fill=0.1) == pytest.approx(hot)
     assert hot < (3000 + 72) / 5000 < once
     assert router.choose(req(1064, demand=25), [holder, empty]).worker_id == "b"
+
+
+def test_a_shared_prefix_spreads_before_its_holder_is_full() -> None:
+    router = Router(RouterConfig(recompute_weight=12.0, decode_weight_s=0.0))
+    empty = WorkerState("b", 0, held_blocks=0, capacity_blocks=1000)
+    share = 992 / 1064
+    # holder half full, b empty. One conversation's own history (demand 1): half the charge.
+    own = (1064 + 11 * 0.5 * share * 992) / 5000
+    assert router.score(req(1064), empty, 992, holder_fill=0.5) == pytest.approx(own)
+    # A system prompt 100 requests want: the gap counts 1 + 2 x 0.99 times, 0.5 x 2.98
+    # >= 1, so duplicating it onto the empty cache costs only this request's TTFT: new
+    # conversations spread over the fleet's caches before the first holder evicts.
+    shared = req(1064, demand=100)
+    assert router.score(shared, empty, 992, holder_fill=0.5) == pytest.approx(1064 / 5000)
+    # with shared_fill_gain 1 the shared prefix is charged like one conversation's
+    flat = Router(RouterConfig(recompute_weight=12.0, decode_weight_s=0.0, shared_fill_gain=1.0))
+    expected = (1064 + 11 * 0.5 * share / 10 * 992) / 5000
+    assert flat.score(shared, empty, 992, holder_fill=0.5) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="shared_fill_gain"):
+        RouterConfig(shared_fill_gain=0.5)
 
 
 def test_worker_load_takes_larger_of_registry_and_inflight() -> None:
