@@ -212,6 +212,9 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
     }
     sessions = SessionMap(config.session_ttl_s)
     metrics = GatewayMetrics(config.model_name if config.vllm_metrics else None)
+    metrics.watch_tokenizer_caches(
+        {"chat": tokenizer.prefix_cache, "prompt": tokenizer.prompt_cache}
+    )
     stats = RollingStats()
     mirror = IndexMirror(
         config.redis_url,

@@ -11,7 +11,8 @@ for vLLM (inference-perf, vLLM's Grafana board) read a kvroute gateway as is.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -138,6 +139,12 @@ class GatewayMetrics:
         if vllm_model_name is not None:
             r.register(_VllmAliases(self, vllm_model_name))
 
+    def watch_tokenizer_caches(self, caches: Mapping[str, TokenizerCache | None]) -> None:
+        """Exports the hit counters of the tokenizer's prefix caches (``None``: off)."""
+        live = {name: cache for name, cache in caches.items() if cache is not None}
+        if live:
+            self.registry.register(_TokenizerCaches(live))
+
     def set_worker(self, worker_id: str, **values: float) -> None:
         """Sets the per-worker gauges named in ``WORKER_GAUGES`` (``running=3, ...``)."""
         for name, value in values.items():
@@ -154,6 +161,55 @@ class GatewayMetrics:
     def render(self) -> bytes:
         """The text exposition format."""
         return generate_latest(self.registry)
+
+
+class TokenizerCache(Protocol):
+    """What the metrics read from a tokenizer prefix cache (``gateway.text``)."""
+
+    hits: int
+    misses: int
+    reused_tokens: int
+
+    def __len__(self) -> int: ...
+
+    @property
+    def cached_tokens(self) -> int: ...
+
+
+class _TokenizerCaches(Collector):
+    """The tokenizer's prefix caches, read at scrape time (the caches keep plain ints)."""
+
+    def __init__(self, caches: Mapping[str, TokenizerCache]) -> None:
+        self.caches = dict(caches)
+
+    def describe(self) -> list[Metric]:
+        return []  # computed at collect time
+
+    def collect(self) -> Iterator[Metric]:
+        p = "kvroute_gateway_tokenizer_cache_"
+        lookups = CounterMetricFamily(
+            p + "lookups",
+            "Prompts looked up in a tokenizer prefix cache, by cache and result",
+            labels=["cache", "result"],
+        )
+        reused = CounterMetricFamily(
+            p + "reused_tokens",
+            "Prompt token ids taken from a tokenizer prefix cache instead of tokenized",
+            labels=["cache"],
+        )
+        entries = GaugeMetricFamily(
+            p + "entries", "Text prefixes a tokenizer prefix cache holds", labels=["cache"]
+        )
+        tokens = GaugeMetricFamily(
+            p + "tokens", "Token ids a tokenizer prefix cache holds", labels=["cache"]
+        )
+        for name, cache in self.caches.items():
+            lookups.add_metric([name, "hit"], cache.hits)
+            lookups.add_metric([name, "miss"], cache.misses)
+            reused.add_metric([name], cache.reused_tokens)
+            entries.add_metric([name], len(cache))
+            tokens.add_metric([name], cache.cached_tokens)
+        yield from (lookups, reused, entries, tokens)
 
 
 def _sum_samples(metric: Counter | Gauge | Histogram, suffix: str) -> dict[str, float]:

@@ -92,6 +92,7 @@ class PrefixTokenCache:
         self._tokens = 0
         self.hits = 0
         self.misses = 0
+        self.reused_tokens = 0  # token ids taken from entries instead of tokenized
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -112,6 +113,7 @@ class PrefixTokenCache:
             if entry is not None:
                 self._entries.move_to_end(key)
                 self.hits += 1
+                self.reused_tokens += len(entry.ids)
                 return Plan(entry, p)
             end = p
         self.misses += 1

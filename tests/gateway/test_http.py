@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.edge.auth import tenant_salt
 from tests.gateway.conftest import MODEL, Harness, MakeGateway, read_sse
@@ -148,6 +149,46 @@ async def test_metrics_names(gateway: Harness) -> None:
     # One label name for the worker, on the gateway as on the workers; no vllm:* by default.
     assert 'worker="' not in text and "kind=" not in text and "vllm:" not in text
     assert 'kvroute_gateway_responses_total{code="200"} 1.0' in text
+
+
+async def _tokenizer_cache_samples(gateway: Harness) -> dict[tuple[str, ...], float]:
+    text = await (await gateway.client.get("/metrics")).text()
+    return {
+        (sample.name, *sample.labels.values()): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("kvroute_gateway_tokenizer_cache_")
+        for sample in family.samples
+    }
+
+
+async def test_metrics_count_tokenizer_cache_reuse(gateway: Harness) -> None:
+    await gateway.add_worker("w1")
+    before = await _tokenizer_cache_samples(gateway)
+    # Two plain prompts sharing a long text: the second reuses the first one's ids.
+    story = "The quick brown fox jumps over the lazy dog by the river bank. " * 40
+    for question in ("What did the fox do?", "Where was the dog?"):
+        body = {"model": MODEL, "prompt": story + question, "max_tokens": 4}
+        assert (await gateway.client.post("/v1/completions", json=body)).status == 200
+    # A conversation's second turn reuses its first turn's rendered prefix.
+    follow_up = [
+        *HELLO,
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Again, louder"},
+    ]
+    assert (await gateway.chat(HELLO)).status == 200
+    assert (await gateway.chat(follow_up)).status == 200
+    after = await _tokenizer_cache_samples(gateway)
+
+    def grew(*key: str) -> float:
+        return after[key] - before.get(key, 0.0)
+
+    lookups = "kvroute_gateway_tokenizer_cache_lookups_total"
+    reused = "kvroute_gateway_tokenizer_cache_reused_tokens_total"
+    assert grew(lookups, "prompt", "hit") == 1 and grew(lookups, "prompt", "miss") == 1
+    assert grew(reused, "prompt") > 400  # the story's ~560 tokens, up to its last cut
+    assert grew(lookups, "chat", "hit") >= 1 and grew(reused, "chat") > 0
+    assert after[("kvroute_gateway_tokenizer_cache_entries", "prompt")] >= 1
+    assert after[("kvroute_gateway_tokenizer_cache_tokens", "chat")] > 0
 
 
 @pytest.mark.parametrize(
