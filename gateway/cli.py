@@ -55,6 +55,12 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, Any, str]] = [
         RouterConfig.recompute_weight,
         "fleet cost of a duplicated prompt token vs a queued one",
     ),
+    (
+        "--shared-fill-gain",
+        float,
+        RouterConfig.shared_fill_gain,
+        "how many times the cache-fill gap counts for a prefix many requests want (1 = as for one)",
+    ),
     ("--session-ttl", float, 600.0, "seconds a session stays pinned after its last request"),
     (
         "--speculative-ttl",
@@ -199,6 +205,7 @@ def config_from_args(argv: list[str]) -> GatewayConfig:
             policy=v["--policy"],
             balance_factor=v["--balance-factor"],
             recompute_weight=v["--recompute-weight"],
+            shared_fill_gain=v["--shared-fill-gain"],
         ),
         session_ttl_s=v["--session-ttl"],
         speculative_ttl_s=v["--speculative-ttl"],

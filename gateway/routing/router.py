@@ -205,7 +205,7 @@ class RouterConfig:
         if not self.recompute_weight >= 1.0:
             raise ValueError(f"--recompute-weight must be >= 1.0, got {self.recompute_weight}")
         if not self.shared_fill_gain >= 1.0:
-            raise ValueError(f"shared_fill_gain must be >= 1.0, got {self.shared_fill_gain}")
+            raise ValueError(f"--shared-fill-gain must be >= 1.0, got {self.shared_fill_gain}")
 
 
 def worker_load(w: WorkerState) -> int:

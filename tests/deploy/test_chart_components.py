@@ -120,6 +120,7 @@ def test_gateway_deployment_flags_probes_and_scaling() -> None:
         "--policy",
         "--balance-factor",
         "--recompute-weight",
+        "--shared-fill-gain",
         "--session-ttl",
         "--stream-interval",
         "--replica-sync",
@@ -128,6 +129,7 @@ def test_gateway_deployment_flags_probes_and_scaling() -> None:
         "--grpc-token-file",
     }
     assert config["KVROUTE_POLICY"] == "kvroute" and config["KVROUTE_PORT"] == "8000"
+    assert config["KVROUTE_SHARED_FILL_GAIN"] == "3"
     # Replicas share routing and relay streams at the auto interval unless told otherwise.
     assert (config["KVROUTE_STREAM_INTERVAL"], config["KVROUTE_REPLICA_SYNC"]) == ("0", "true")
     assert gateway["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]

@@ -29,6 +29,8 @@ def test_flags_build_the_config(smollm2: Path, tmp_path: Path) -> None:
             "prefix",
             "--balance-factor",
             "2.5",
+            "--shared-fill-gain",
+            "2",
             "--session-ttl",
             "5",
             "--speculative-ttl",
@@ -48,6 +50,7 @@ def test_flags_build_the_config(smollm2: Path, tmp_path: Path) -> None:
     assert cfg.model_dir == smollm2 and cfg.model_name == "smol"
     assert (cfg.redis_url, cfg.redis_namespace, cfg.port) == ("redis://r:1/2", "ns", 9000)
     assert (cfg.router.policy, cfg.router.balance_factor) == ("prefix", 2.5)
+    assert cfg.router.shared_fill_gain == 2.0
     assert (cfg.session_ttl_s, cfg.speculative_ttl_s, cfg.max_queue_per_worker) == (5, 0, 3)
     assert (cfg.request_timeout_s, cfg.max_body_bytes) == (7, 5000)
     assert cfg.api_keys_file == keys and cfg.log_level == "debug"
@@ -70,6 +73,7 @@ def test_environment_fallback(smollm2: Path, monkeypatch: pytest.MonkeyPatch) ->
         (["--policy", "fastest"], "--policy"),
         (["--balance-factor", "0.5"], "--balance-factor"),
         (["--balance-factor", "lots"], "--balance-factor"),
+        (["--shared-fill-gain", "0.5"], "--shared-fill-gain"),
         (["--port", "70000"], "--port"),
         (["--redis-url", "http://x"], "--redis-url"),
         (["--redis-namespace", "a:b"], "--redis-namespace"),

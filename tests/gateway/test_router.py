@@ -208,7 +208,7 @@ def test_a_shared_prefix_spreads_before_its_holder_is_full() -> None:
     flat = Router(RouterConfig(recompute_weight=12.0, decode_weight_s=0.0, shared_fill_gain=1.0))
     expected = (1064 + 11 * 0.5 * share / 10 * 992) / 5000
     assert flat.score(shared, empty, 992, holder_fill=0.5) == pytest.approx(expected)
-    with pytest.raises(ValueError, match="shared_fill_gain"):
+    with pytest.raises(ValueError, match="--shared-fill-gain"):
         RouterConfig(shared_fill_gain=0.5)
 
 
