@@ -15,9 +15,12 @@ from typing import Any
 
 import pytest
 
+from gateway.routing import replicas
 from gateway.routing.replicas import PEER_TTL_S
 from tests.gateway.conftest import Harness, MakeGateway
 from tests.gateway.helpers import eventually, namespace
+
+HELLO = [{"role": "user", "content": "Say hello"}]
 
 
 async def _replicas(make_gateway: MakeGateway, n: int, **overrides: Any) -> list[Harness]:
@@ -149,6 +152,46 @@ async def test_in_flight_load_is_seen_by_the_other_replicas_and_ages_out(
     )
     assert time.monotonic() - started >= PEER_TTL_S - 1.5
     hung.cancel()
+
+
+async def _entry_kinds(g: Harness) -> list[str]:
+    """The kinds of entry on the routes stream, oldest first: loads, route or settle."""
+    sync = g.state.dispatcher.replicas
+    assert sync is not None
+    kinds = []
+    for _, fields in await g.redis.xrange(sync.stream_key):
+        kinds.append("loads" if b"l" in fields else "route" if b"s" in fields else "settle")
+    return kinds
+
+
+async def test_a_lone_replica_writes_only_its_keepalive(
+    make_gateway: MakeGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(replicas, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(replicas, "PEER_TTL_S", 0.6)
+    (a,) = await _replicas(make_gateway, 1)
+    await _fleet([a], 2)
+    sync = a.state.dispatcher.replicas
+    assert sync is not None
+    await eventually(lambda: sync.alone(time.monotonic()), what="alone")
+    before = len(await _entry_kinds(a))
+    for i in range(4):
+        assert (await a.chat(HELLO, user=f"u{i}")).status == 200
+    await asyncio.sleep(0.3)
+    assert set((await _entry_kinds(a))[before:]) == {"loads"}  # keepalives, nothing per request
+    # A second replica announces itself, the first answers, and both share again.
+    b = await make_gateway(redis_namespace=a.state.config.redis_namespace)
+    await _fleet([a, b], 2)
+    await eventually(lambda: not sync.alone(time.monotonic()), what="the peer found")
+    before = len(await _entry_kinds(a))
+    first = await a.chat(HELLO, user="later")
+    assert first.status == 200
+    b_sync = b.state.dispatcher.replicas
+    assert b_sync is not None
+    await eventually(lambda: b_sync.applied >= 3, what="loads, route and settle applied at b")
+    assert {"route", "settle"} <= set((await _entry_kinds(a))[before:])
+    second = await b.chat([*HELLO, {"role": "assistant", "content": "hi"}], user="later")
+    assert second.headers["x-kvroute-worker"] == first.headers["x-kvroute-worker"]
 
 
 async def test_a_dead_redis_only_loses_the_sharing(caplog: pytest.LogCaptureFixture) -> None:
