@@ -18,7 +18,8 @@ text currently ends with" — the length to hold back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 _REPLACEMENT = "\ufffd"
@@ -55,6 +56,16 @@ class _StopMatcher:
         return False
 
 
+def ids_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``tokenizer.decode`` for a list of ids, or its Rust tokenizer's own ``decode`` where
+    that returns the same text: a fast tokenizer that does not clean up spaces (the HF
+    wrapper adds nothing else). 3.2 against 9.7 us a call on SmolLM2, two calls a token."""
+    rust = getattr(tokenizer, "_tokenizer", None)
+    if rust is not None and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False:
+        return partial(rust.decode, skip_special_tokens=skip_special_tokens)
+    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+
 class Detokenizer:
     """Turns a growing list of token ids into text deltas, cut at the first stop string."""
 
@@ -67,8 +78,7 @@ class Detokenizer:
         skip_special_tokens: bool = True,
         include_stop: bool = False,
     ) -> None:
-        self._tok = tokenizer
-        self._skip_special = skip_special_tokens
+        self._decode = ids_decoder(tokenizer, skip_special_tokens)
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -78,9 +88,6 @@ class Detokenizer:
         self._scanned = 0  # characters of self.text fed to the stop matchers
         self._emitted = 0  # characters of self.text already returned
         self.stopped = False  # a stop string matched; no more text will come
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=self._skip_special))
 
     def push(self, new_ids: Sequence[int]) -> str:
         """Adds generated ids; returns the text that is now final (maybe "")."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from openai_api.detokenizer import Detokenizer
+from openai_api.detokenizer import Detokenizer, ids_decoder
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +129,24 @@ def test_long_stop_strings_cost_linear_time(tok) -> None:
     assert detok.finish() == "x" * 4000
     # Quadratic matching took seconds here; linear takes milliseconds.
     assert elapsed < 1.0
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ids=st.lists(st.integers(0, 49_151), max_size=12), skip=st.booleans())
+def test_the_rust_decoder_equals_the_wrapper(tok: Any, ids: list[int], skip: bool) -> None:
+    decode = ids_decoder(tok, skip)
+    assert isinstance(decode, partial)  # SmolLM2 cleans up no spaces: the Rust path
+    assert decode(ids) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode() -> None:
+    class CleaningTokenizer:
+        clean_up_tokenization_spaces = True
+        _tokenizer = object()  # never called: its decode would skip the clean-up
+
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            return f"clean {ids} {skip_special_tokens}"
+
+    assert ids_decoder(CleaningTokenizer(), True)([1, 2]) == "clean [1, 2] True"
