@@ -134,6 +134,11 @@ def slowdown_now(runner: Any) -> dict[str, float]:
     return ratios
 
 
+# Reference steps that moved more than this during the real engine's run: a disturbed run.
+STEADY_DRIFT = 0.05
+STEADY_ATTEMPTS = 3
+
+
 def test_cpu_profile_matches_the_real_engine(smollm2: Path) -> None:
     import torch
 
@@ -143,9 +148,19 @@ def test_cpu_profile_matches_the_real_engine(smollm2: Path) -> None:
     torch.set_num_threads(1)
     try:
         runner = ModelRunner(smollm2, block_size=16, num_blocks=1024)
-        before = slowdown_now(runner)
-        real = run_engine(runner)
-        after = slowdown_now(runner)
+        # The real engine is measured between two reads of the reference steps; when
+        # they drift apart something else took the cores meanwhile (in CI, a process
+        # of the test before still exiting), so measure again and keep the steadiest.
+        attempts = []
+        for _ in range(STEADY_ATTEMPTS):
+            before = slowdown_now(runner)
+            real = run_engine(runner)
+            after = slowdown_now(runner)
+            drift = max(abs(after[kind] / before[kind] - 1) for kind in before)
+            attempts.append((drift, before, real, after))
+            if drift <= STEADY_DRIFT:
+                break
+        drift, before, real, after = min(attempts, key=lambda a: a[0])
     finally:
         torch.set_num_threads(threads)
     # Each kind scaled by its own slowdown: a host with other vector units than the one
@@ -168,7 +183,8 @@ def test_cpu_profile_matches_the_real_engine(smollm2: Path) -> None:
     overall = sorted(ratios.values())[1]
     detail = (
         f"real {real}, emulated {emulated} unscaled, scaled by {scale} "
-        f"(reference steps {before} before, {after} after); emulated/real {ratios}"
+        f"(reference steps {before} before, {after} after, drift {drift:.3f} after "
+        f"{len(attempts)} attempts); emulated/real {ratios}"
     )
     for key, ratio in ratios.items():
         assert ratio == pytest.approx(overall, rel=TOLERANCE), f"shape, {key}: {detail}"
