@@ -24,6 +24,39 @@ _COUNTER_RE = re.compile(
 )
 
 
+_TTFT_RE = re.compile(
+    r"^kvroute_worker_ttft_seconds_(sum|count)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M
+)
+
+
+def worker_ttft_totals(worker_urls: Sequence[str]) -> tuple[float, float]:
+    """Engine-side TTFT over the fleet: (seconds summed, requests), from each kvroute
+    worker's ``kvroute_worker_ttft_seconds`` histogram (engine arrival to first token)."""
+    total = count = 0.0
+    for url in worker_urls:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            seconds, requests = parse_worker_ttft(resp.read().decode())
+        total += seconds
+        count += requests
+    return total, count
+
+
+def parse_worker_ttft(text: str) -> tuple[float, float]:
+    """(seconds summed, requests) of the TTFT histogram in one worker's ``/metrics``."""
+    totals = {"sum": 0.0, "count": 0.0}
+    for kind, value in _TTFT_RE.findall(text):
+        totals[kind] += float(value)
+    return totals["sum"], totals["count"]
+
+
+def worker_ttft_mean(
+    before: tuple[float, float], after: tuple[float, float], time_scale: float = 1.0
+) -> float:
+    """Mean engine-side TTFT between two ``worker_ttft_totals`` readings, in emulated units."""
+    requests = after[1] - before[1]
+    return (after[0] - before[0]) / requests / time_scale if requests > 0 else math.nan
+
+
 _GATEWAY_RE = re.compile(
     r"^kvroute_gateway_(prompt_tokens|predicted_cached_tokens|cached_tokens|requests)_total"
     r"(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$",

@@ -52,6 +52,8 @@ from loadtest.fleet_probe import (
     gateway_figures,
     served_model,
     worker_counters,
+    worker_ttft_mean,
+    worker_ttft_totals,
 )
 from loadtest.fleet_summary import unscale
 from loadtest.peers_report import verdict
@@ -231,6 +233,7 @@ def run_workload(
     model = served_model(worker_urls[0])
     reset_caches(worker_urls)
     before = worker_counters(worker_urls)
+    ttft_before = worker_ttft_totals(worker_urls)
     gateways = workload_gateways(urls, worker_urls)
     gateways_before = gateway_counters(gateways) if gateways else {}
     if workload == "mooncake":
@@ -269,6 +272,12 @@ def run_workload(
     out["hit_rate"] = delta["hit_rate"]
     out["max_worker_share"] = max(delta["prompt_share"].values(), default=float("nan"))
     out["prompt_tokens"] = delta["prompt_tokens"]
+    # The engines' own TTFT beside the client's: the difference is what the path in
+    # front of the engine adds (router, HTTP or gRPC, tokenizing), whichever router it is.
+    out["worker_ttft_mean_s"] = worker_ttft_mean(
+        ttft_before, worker_ttft_totals(worker_urls), scale
+    )
+    out["front_ttft_mean_s"] = out["ttft_mean_s"] - out["worker_ttft_mean_s"]
     if gateways:
         # The index's predictions beside the workers' counts: a gap is the index's error
         # (stale or speculative entries), a low prediction the routing's choices.
