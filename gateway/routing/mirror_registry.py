@@ -35,6 +35,10 @@ _LOAD_FIELDS = (
     "updated_at",
     "engine_step_age_s",  # a stuck engine behind a live heartbeat
 )
+# A new heartbeat is told by its ``updated_at``. (It was told by the last field, which
+# ``engine_step_age_s`` became: a bridged vLLM worker always reports 0 there, and the
+# gateway then never saw its load change after discovery.)
+_STAMP = _LOAD_FIELDS.index("updated_at")
 
 
 def spec_from_record(record: WorkerRecord) -> HashSpec | None:
@@ -94,10 +98,10 @@ class RegistrySync(MirrorState):
                 if raw[0] is None:
                     continue  # the key expired
                 if as_text(raw[0]) == entry.record.epoch:
-                    if raw[-1] != entry.heartbeat:  # a poll between heartbeats parses nothing
+                    if raw[_STAMP] != entry.heartbeat:  # a poll between heartbeats parses nothing
                         try:
                             entry.record = _load_update(entry.record, raw)
-                            entry.heartbeat = raw[-1]
+                            entry.heartbeat = raw[_STAMP]
                         except ValueError as exc:
                             logger.warning("worker %s: malformed load fields: %s", wid, exc)
                     live.add(wid)

@@ -94,6 +94,31 @@ async def test_new_epoch_reloads(redis_url: str, redis_client: aioredis.Redis) -
         assert mirror.workers["w1"].epoch == "epoch-2"
 
 
+async def test_every_heartbeat_updates_the_load(
+    redis_url: str, redis_client: aioredis.Redis
+) -> None:
+    # A bridged vLLM worker's record says 0 for engine_step_age_s on every heartbeat:
+    # only updated_at tells one heartbeat from the next.
+    mirror, layout, _ = make(redis_url)
+    reg = FakeRegistration(redis_client, layout, "w1", "127.0.0.1:1", SPEC)
+    await reg.register(running=1, engine_step_age_s=0.0)
+    async with running(mirror):
+        await eventually(lambda: "w1" in mirror.workers, what="discovery")
+
+        def load_seen() -> tuple[int, int, int]:
+            record = mirror.workers["w1"].record
+            return record.running, record.waiting, record.free_blocks
+
+        for running_, waiting in ((4, 2), (0, 0)):
+            await reg.register(
+                engine_step_age_s=0.0, free_blocks=7, running=running_, waiting=waiting
+            )
+            await eventually(
+                lambda expected=(running_, waiting, 7): load_seen() == expected,
+                what=f"heartbeat {running_}, {waiting}",
+            )
+
+
 async def test_expired_registry_key_drops_worker(
     redis_url: str, redis_client: aioredis.Redis
 ) -> None:
