@@ -368,7 +368,7 @@ class Dispatcher:
         self.open_streams = max(0, self.open_streams - 1)
         load.finished += 1
         if self.replicas is not None:
-            self.replicas.load_changed()
+            self.replicas.finished(wid)
         self.metrics.e2e_seconds.labels(wid).observe(time.perf_counter() - stream.job.started)
         if cached_tokens is not None:
             self.metrics.cached_tokens.labels(wid).inc(cached_tokens)

@@ -154,6 +154,37 @@ async def test_in_flight_load_is_seen_by_the_other_replicas_and_ages_out(
     hung.cancel()
 
 
+async def test_finishes_at_one_replica_correct_the_heartbeat_at_the_others(
+    make_gateway: MakeGateway,
+) -> None:
+    a, b = await _replicas(make_gateway, 2)
+    await _fleet([a, b], 1)
+    _, reg = a.workers["w0"]
+    # A heartbeat that still counts requests about to finish: 2 running, 1 waiting.
+    await reg.register(running=2, waiting=1)
+
+    def seen_by(g: Harness) -> tuple[int, int]:
+        view = g.state.dispatcher.state(g.state.mirror.workers["w0"], 0)
+        return view.running, view.waiting
+
+    for g in (a, b):
+        await eventually(lambda g=g: seen_by(g) == (2, 1), what="the heartbeat")
+    sync = a.state.dispatcher.replicas
+    assert sync is not None
+    await eventually(lambda: not sync.alone(time.monotonic()), what="the peer found")
+    for i in range(2):
+        assert (await a.chat(HELLO, user=f"u{i}")).status == 200
+    # Two finishes since the heartbeat: the waiting request took a freed slot, then one
+    # of the running ones is gone too. b routed none of them and sees it all the same.
+    assert seen_by(a) == (1, 0)
+    await eventually(lambda: seen_by(b) == (1, 0), what="a's finishes at b")
+    # The next heartbeat counts them itself: nothing is taken off twice.
+    await reg.register(running=1, waiting=0)
+    await eventually(lambda: seen_by(b) == (1, 0) and seen_by(a) == (1, 0), what="new heartbeat")
+    await reg.register(running=3, waiting=0)
+    await eventually(lambda: seen_by(b) == (3, 0), what="a later heartbeat, uncorrected")
+
+
 async def _entry_kinds(g: Harness) -> list[str]:
     """The kinds of entry on the routes stream, oldest first: loads, route or settle."""
     sync = g.state.dispatcher.replicas
