@@ -63,6 +63,9 @@ _GATEWAY_RE = re.compile(
     re.M,
 )
 _REASON_RE = re.compile(r'reason="([a-z]+)"')
+_GATEWAY_TIMES_RE = re.compile(
+    r"^kvroute_gateway_(routing|ttft)_seconds_(sum|count)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M
+)
 
 
 def gateway_counters(gateway_urls: Sequence[str]) -> dict[str, float]:
@@ -83,17 +86,31 @@ def parse_gateway_counters(text: str, into: dict[str, float]) -> dict[str, float
             reason = _REASON_RE.search(labels or "")
             name = f"requests:{reason.group(1) if reason else 'unknown'}"
         into[name] = into.get(name, 0.0) + float(value)
+    for name, kind, value in _GATEWAY_TIMES_RE.findall(text):
+        key = f"{name}_seconds_{kind}"
+        into[key] = into.get(key, 0.0) + float(value)
     return into
 
 
-def gateway_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    """What the gateways predicted over a run against what the workers then reported."""
+def gateway_figures(
+    before: dict[str, float], after: dict[str, float], time_scale: float = 1.0
+) -> dict[str, Any]:
+    """What the gateways predicted over a run against what the workers then reported, and
+    their mean routing time (parse to choice) and TTFT (arrival to first token), both in
+    emulated units (divided by ``time_scale``)."""
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     prompt = delta.get("prompt_tokens", 0.0)
     ratio = (lambda k: delta.get(k, 0.0) / prompt) if prompt else (lambda k: math.nan)
+
+    def mean_s(name: str) -> float:
+        count = delta.get(f"{name}_seconds_count", 0.0)
+        return delta.get(f"{name}_seconds_sum", 0.0) / count / time_scale if count else math.nan
+
     return {
         "predicted_hit_rate": ratio("predicted_cached_tokens"),
         "reported_hit_rate": ratio("cached_tokens"),
+        "routing_mean_s": mean_s("routing"),
+        "ttft_mean_s": mean_s("ttft"),
         "reasons": {
             k.split(":", 1)[1]: int(v)
             for k, v in sorted(delta.items())

@@ -281,7 +281,7 @@ def run_workload(
     if gateways:
         # The index's predictions beside the workers' counts: a gap is the index's error
         # (stale or speculative entries), a low prediction the routing's choices.
-        out["gateway"] = gateway_figures(gateways_before, gateway_counters(gateways))
+        out["gateway"] = gateway_figures(gateways_before, gateway_counters(gateways), scale)
     return out
 
 

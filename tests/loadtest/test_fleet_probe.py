@@ -18,6 +18,13 @@ kvroute_gateway_prompt_tokens_total{worker_id="w1"} 1000.0
 kvroute_gateway_predicted_cached_tokens_total{worker_id="w1"} 400.0
 kvroute_gateway_cached_tokens_total{worker_id="w1"} 300.0
 kvroute_gateway_requests_created{reason="cache",worker_id="w1"} 1.7e9
+kvroute_gateway_routing_seconds_bucket{le="0.001"} 4.0
+kvroute_gateway_routing_seconds_sum 0.006
+kvroute_gateway_routing_seconds_count 7.0
+kvroute_gateway_ttft_seconds_sum{worker_id="w1"} 0.2
+kvroute_gateway_ttft_seconds_count{worker_id="w1"} 5.0
+kvroute_gateway_ttft_seconds_sum{worker_id="w2"} 0.1
+kvroute_gateway_ttft_seconds_count{worker_id="w2"} 2.0
 """
 
 
@@ -29,6 +36,10 @@ def test_replicas_counters_add_up_and_give_rates_over_a_run() -> None:
     figures = gateway_figures(before, after)
     assert figures["predicted_hit_rate"] == 0.4 and figures["reported_hit_rate"] == 0.3
     assert figures["reasons"] == {"cache": 10, "load": 4}
+    # Means over the run, from the histograms' sums and counts (every worker's series).
+    assert math.isclose(figures["routing_mean_s"], 0.012 / 14)
+    assert math.isclose(figures["ttft_mean_s"], 0.6 / 14)
+    assert math.isclose(gateway_figures(before, after, 2.0)["ttft_mean_s"], 0.3 / 14)
     assert math.isnan(gateway_figures(before, before)["predicted_hit_rate"])  # no traffic
 
 
