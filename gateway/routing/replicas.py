@@ -6,10 +6,8 @@ workers' block sets), but three other things lived in one process only:
 - in-flight load: requests a gateway sent that a worker's heartbeat does not
   show yet (bounded load then let each replica pile its own share onto the
   same worker), and requests that finished since that heartbeat (each
-  replica took only its own finishes off the heartbeat's counts, so with
-  three replicas a worker looked busy with requests two thirds of which had
-  ended: on the Mooncake replay of ``bench_peers`` the workers' own mean TTFT
-  was 41 ms against one gateway's 31 ms, at the same hit rate);
+  replica took only its own finishes off the heartbeat's counts, so a worker
+  looked busy with requests the other replicas had seen end);
 - speculative entries: the blocks a worker is about to hold because a
   request was just sent there (a sibling arriving at another replica before
   the cache events land went elsewhere);
