@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -159,6 +161,28 @@ async def _tokenizer_cache_samples(gateway: Harness) -> dict[tuple[str, ...], fl
         if family.name.startswith("kvroute_gateway_tokenizer_cache_")
         for sample in family.samples
     }
+
+
+async def test_a_resent_conversation_pretokenizes_its_answer_once(
+    gateway: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await gateway.add_worker("w1", reply="Hello!")
+    tok = gateway.state.tokenizer
+    remembered: list[str] = []
+    real = tok.remember_answer
+
+    async def counting(messages: Any, answer: str) -> None:
+        remembered.append(answer)
+        await real(messages, answer)
+
+    monkeypatch.setattr(tok, "remember_answer", counting)
+    turn_2 = [*HELLO, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Hi"}]
+    for _ in range(3):  # the same conversation, the same answer: one render for its next turn
+        assert (await gateway.chat(turn_2)).status == 200
+    assert (await gateway.chat([*turn_2[:-1], {"role": "user", "content": "Bye"}])).status == 200
+    await eventually(lambda: len(remembered) == 2, what="two distinct prompts remembered")
+    await asyncio.sleep(0.1)
+    assert remembered == ["Hello!", "Hello!"]
 
 
 async def test_metrics_count_tokenizer_cache_reuse(gateway: Harness) -> None:

@@ -127,6 +127,19 @@ async def test_pretokenized_answer_leaves_only_the_new_message(
     assert prompt.ids == tok.encode_text(text)
 
 
+def test_an_answer_is_new_once_per_prompt(chat_tokenizer: ChatTokenizer) -> None:
+    tok = chat_tokenizer
+    ids = tok.encode_text(tok.render([{"role": "user", "content": "Is it raining?"}]))
+    assert tok.answer_is_new(ids, "yes")
+    assert not tok.answer_is_new(ids, "yes")
+    assert tok.answer_is_new(ids, "no")  # another answer
+    assert tok.answer_is_new(ids[:-1], "yes")  # another prompt
+    # Bounded: the least recently seen are forgotten (and then count as new again).
+    for i in range(tok._answers_seen_max):
+        tok.answer_is_new([i], "filler")
+    assert tok.answer_is_new(ids, "yes")
+
+
 def test_smollm2_matches_apply_chat_template(smollm2: Path) -> None:
     tok = ChatTokenizer(smollm2)
     messages = [{"role": "user", "content": "Hi there"}]
