@@ -126,12 +126,10 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     # one (it cost a saturated gateway 7.5 % of its CPU on bench_overhead's
     # chat_small), and a second turn finds its first prompt cached and encodes
     # only the first answer and its new message.
-    if (
-        isinstance(req, ChatRequest)
-        and any(m.get("role") == "assistant" for m in req.messages)
-        and state.tokenizer.answer_is_new(prompt.ids, relay.detok.output_text)
-    ):
-        state.spawn(state.tokenizer.remember_answer(req.messages, relay.detok.output_text))
+    if isinstance(req, ChatRequest) and any(m.get("role") == "assistant" for m in req.messages):
+        answer = relay.detok.output_text
+        if state.tokenizer.answer_is_new(prompt.ids, answer):
+            state.spawn(state.tokenizer.remember_answer(req.messages, answer))
     return resp
 
 
