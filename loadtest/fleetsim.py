@@ -39,9 +39,10 @@ from typing import Any
 
 from gateway.routing.index import BlockIndex
 from gateway.routing.load import corrected_load
+from gateway.routing.prefix_demand import PrefixDemand
 from gateway.routing.router import POLICIES, RouterConfig, WorkerState
 from loadtest.blockcache import BlockCache
-from loadtest.fleetsim_policies import make_route
+from loadtest.fleetsim_policies import Route, make_route
 from loadtest.workloads import RequestShape
 
 SIM_POLICIES = (*POLICIES, "chwbl", "sglang_like")
@@ -72,12 +73,18 @@ class SimConfig:
     sglang_balance_rel: float = 1.0001
     sglang_max_tree_tokens: int = 4_194_304
     router_options: tuple[tuple[str, object], ...] = ()  # extra RouterConfig fields
+    # Gateway replicas taking requests in turn (aiperf's round robin over URLs), each
+    # learning what the others routed ``replica_lag_s`` late (``gateway.routing.replicas``).
+    replicas: int = 1
+    replica_lag_s: float = 0.004
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError("--workers must be >= 1")
         if self.block_size < 1:
             raise ValueError("--block-size must be >= 1")
+        if self.replicas < 1:
+            raise ValueError("--replicas must be >= 1")
         if self.capacity_tokens < self.block_size:
             raise ValueError("--capacity-tokens must hold at least one block")
         if not self.prefill_tokens_per_s > 0:
@@ -90,6 +97,7 @@ class SimConfig:
             "speculative_ttl_s",
             "first_token_timeout_s",
             "session_ttl_s",
+            "replica_lag_s",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
@@ -123,6 +131,7 @@ class RequestRecord:
     ttft_s: float = math.nan
     finish_s: float = math.nan
     stored: list[Hashable] = field(default_factory=list)
+    gateway: GatewayView | None = None  # the replica that routed it
 
 
 @dataclass
@@ -146,6 +155,52 @@ class _Worker:
         return running, len(self.queue), self.queued_estimate + remaining, self.cache.free_blocks
 
 
+class GatewayView:
+    """One gateway replica's view of the fleet, as its dispatcher keeps it.
+
+    Its index mirror (the workers' events plus speculative entries), its
+    in-flight counts per worker, its sessions and its router. What a replica
+    routes reaches the others ``replica_lag_s`` late (``FleetSimulation``
+    replays each change there), as ``gateway.routing.replicas`` shares it.
+    """
+
+    def __init__(self, ids: list[str]) -> None:
+        self.index = BlockIndex()
+        for wid in ids:
+            self.index.add(wid, ())
+        self.inflight: dict[str, int] = dict.fromkeys(ids, 0)
+        self.pending: dict[str, int] = dict.fromkeys(ids, 0)  # sent, no first token yet
+        # Prompt tokens sent but not yet through prefill, per worker.
+        self.pending_prefill: dict[str, int] = dict.fromkeys(ids, 0)
+        self.finished_at: dict[str, list[float]] = {wid: [] for wid in ids}
+        self.sessions: dict[str, tuple[str, float]] = {}
+        self.demand = PrefixDemand()
+        self.route: Route | None = None  # set by FleetSimulation (it needs the view)
+
+    def routed(self, rec: RequestRecord, prefix_key: int | None, hold_s: float, now: float) -> None:
+        """``rec`` was just sent to its worker (by this replica or, heard now, a peer)."""
+        shape, wid = rec.shape, rec.worker
+        self.index.speculate(wid, shape.block_keys, now, hold_s)
+        self.inflight[wid] += 1
+        self.pending[wid] += 1
+        self.pending_prefill[wid] += shape.prompt_tokens - rec.predicted_cached_tokens
+        if shape.session is not None:
+            self.sessions[shape.session] = (wid, now)
+        if prefix_key is not None:
+            self.demand.observe(prefix_key, now)
+
+    def first_token(self, rec: RequestRecord, grace_s: float, now: float) -> None:
+        """``rec``'s prefill ended: its hold becomes the grace."""
+        self.pending_prefill[rec.worker] -= rec.shape.prompt_tokens - rec.predicted_cached_tokens
+        self.pending[rec.worker] -= 1
+        if grace_s > 0:
+            self.index.speculate(rec.worker, rec.shape.block_keys, now, grace_s)
+
+    def finished(self, rec: RequestRecord, now: float) -> None:
+        self.inflight[rec.worker] -= 1
+        self.finished_at[rec.worker].append(now)
+
+
 class FleetSimulation:
     """One run of ``shapes`` through the fleet under ``config``."""
 
@@ -153,25 +208,19 @@ class FleetSimulation:
         self.cfg = config
         ids = [f"w{i}" for i in range(config.workers)]
         self.workers = {wid: _Worker(wid, BlockCache(config.capacity_blocks)) for wid in ids}
-        # The gateway's own index, fed the workers' events as its Redis mirror would be.
-        self.index = BlockIndex()
-        for wid in ids:
-            self.index.add(wid, ())
-        self.inflight: dict[str, int] = dict.fromkeys(ids, 0)
-        # The gateway's own prompt tokens sent but not yet through prefill, per worker.
-        self.pending_prefill: dict[str, int] = dict.fromkeys(ids, 0)
-        self.pending: dict[str, int] = dict.fromkeys(ids, 0)  # sent, no first token yet
-        self.finished_at: dict[str, list[float]] = {wid: [] for wid in ids}
+        # Registry load (running, waiting, queued prefill tokens, free blocks), shared by
+        # every replica: each reads the same heartbeats.
         self.snapshot: dict[str, tuple[int, int, int, int]] = {
             wid: (0, 0, 0, w.cache.free_blocks) for wid, w in self.workers.items()
         }
-        self.sessions: dict[str, tuple[str, float]] = {}
+        self.gateways = [GatewayView(ids) for _ in range(config.replicas)]
+        for i, view in enumerate(self.gateways):
+            view.route = make_route(self, view, replica=i)
         self.records: list[RequestRecord] = []
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
         self._pending = 0  # events other than heartbeats
         self._followers: dict[str, list[RequestShape]] = defaultdict(list)
-        self._route = make_route(self)
 
     # -- driving -----------------------------------------------------------------
 
@@ -195,6 +244,7 @@ class FleetSimulation:
             _STORED: self._stored,
             _REMOVED: self._removed,
             _HEARTBEAT: self._heartbeat,
+            _PEER: self._peer,
         }
         while self._heap:
             now, _, kind, data = heapq.heappop(self._heap)
@@ -210,22 +260,28 @@ class FleetSimulation:
         if counted:
             self._pending += 1
 
+    def _share(
+        self, origin: GatewayView, now: float, change: Callable[..., None], *args: Any
+    ) -> None:
+        """Applies a gateway change at ``origin`` now and at every other replica ``replica_lag_s`` later."""
+        change(origin, *args, now)
+        for view in self.gateways:
+            if view is not origin:
+                self._push(now + self.cfg.replica_lag_s, _PEER, (change, view, args))
+
     # -- events ------------------------------------------------------------------
 
     def _arrive(self, now: float, shape: RequestShape) -> None:
-        rec = RequestRecord(shape=shape, arrival_s=now)
+        view = self.gateways[len(self.records) % len(self.gateways)]
+        rec = RequestRecord(shape=shape, arrival_s=now, gateway=view)
         self.records.append(rec)
-        wid, reason, predicted_blocks = self._route(shape, now)
+        assert view.route is not None
+        wid, reason, predicted_blocks, prefix_key = view.route(shape, now)
         rec.worker, rec.reason = wid, reason
         rec.predicted_cached_tokens = min(
             predicted_blocks * self.cfg.block_size, shape.prompt_tokens
         )
-        self.index.speculate(wid, shape.block_keys, now, self.cfg.hold_s)
-        self.inflight[wid] += 1
-        self.pending[wid] += 1
-        self.pending_prefill[wid] += shape.prompt_tokens - rec.predicted_cached_tokens
-        if shape.session is not None:
-            self.sessions[shape.session] = (wid, now)
+        self._share(view, now, GatewayView.routed, rec, prefix_key, self.cfg.hold_s)
         w = self.workers[wid]
         rec.queued_estimate = (
             shape.prompt_tokens - w.cache.match(shape.block_keys) * self.cfg.block_size
@@ -257,13 +313,10 @@ class FleetSimulation:
 
     def _prefill_done(self, now: float, w: _Worker) -> None:
         rec = w.current
-        assert rec is not None  # only scheduled while a prefill runs
+        assert rec is not None and rec.gateway is not None  # only scheduled while a prefill runs
         rec.ttft_s = now - rec.arrival_s
-        self.pending_prefill[w.wid] -= rec.shape.prompt_tokens - rec.predicted_cached_tokens
-        self.pending[w.wid] -= 1
         # The gateway's hold ends at the first token: the grace starts now.
-        if self.cfg.speculative_ttl_s > 0:
-            self.index.speculate(w.wid, rec.shape.block_keys, now, self.cfg.speculative_ttl_s)
+        self._share(rec.gateway, now, GatewayView.first_token, rec, self.cfg.speculative_ttl_s)
         if rec.stored:
             self._push(now + self.cfg.event_delay_s, _STORED, (w.wid, rec.stored))
         w.current = None
@@ -277,8 +330,8 @@ class FleetSimulation:
         shape = rec.shape
         rec.finish_s = now
         w.decoding -= 1
-        self.inflight[w.wid] -= 1
-        self.finished_at[w.wid].append(now)
+        assert rec.gateway is not None
+        self._share(rec.gateway, now, GatewayView.finished, rec)
         chain = shape.block_keys + shape.output_block_keys
         if shape.output_block_keys:
             _, stored, evicted = w.cache.acquire(shape.output_block_keys)
@@ -292,35 +345,43 @@ class FleetSimulation:
         self._maybe_start(w, now)  # a batch slot is free
 
     def _stored(self, now: float, data: tuple[str, list[int]]) -> None:
-        self.index.add(data[0], data[1])
+        for view in self.gateways:  # every replica mirrors the same events
+            view.index.add(data[0], data[1])
 
     def _removed(self, now: float, data: tuple[str, list[int]]) -> None:
-        self.index.remove(data[0], data[1])
+        for view in self.gateways:
+            view.index.remove(data[0], data[1])
+
+    def _peer(
+        self, now: float, data: tuple[Callable[..., None], GatewayView, tuple[Any, ...]]
+    ) -> None:
+        change, view, args = data
+        change(view, *args, now)
 
     def _heartbeat(self, now: float, _: object) -> None:
         for wid, w in self.workers.items():
             self.snapshot[wid] = w.live_state(now)
-            self.finished_at[wid].clear()  # the new snapshot already counts them
-        self.index.prune(now)
+        for view in self.gateways:
+            for finishes in view.finished_at.values():
+                finishes.clear()  # the new snapshot already counts them
+            view.index.prune(now)
         if self._pending > 0:
             self._push(now + self.cfg.heartbeat_s, _HEARTBEAT, None, counted=False)
 
     # -- routing -----------------------------------------------------------------
 
-    def view_match(self, wid: str, keys: tuple[int, ...], now: float) -> int:
-        """Leading blocks of ``keys`` the gateway believes ``wid`` holds (events + speculation)."""
-        return self.index.longest_prefix(keys, now).get(wid, 0)
-
-    def worker_state(self, wid: str, cached_blocks: int, now: float) -> WorkerState:
-        """The router's view of ``wid``, built the way ``gateway.routing.dispatch`` builds it."""
+    def worker_state(
+        self, view: GatewayView, wid: str, cached_blocks: int, now: float
+    ) -> WorkerState:
+        """``view``'s router's view of ``wid``, built the way ``gateway.routing.dispatch`` builds it."""
         cfg = self.cfg
         if cfg.heartbeat_s == 0:
             running, waiting, queued, _ = self.workers[wid].live_state(now)
-            queued = max(queued, self.pending_prefill[wid])
+            queued = max(queued, view.pending_prefill[wid])
         else:
             running, waiting, queued, _ = self.snapshot[wid]
             running, waiting, queued = corrected_load(
-                running, waiting, queued, len(self.finished_at[wid]), self.pending_prefill[wid]
+                running, waiting, queued, len(view.finished_at[wid]), view.pending_prefill[wid]
             )
         return WorkerState(
             worker_id=wid,
@@ -329,23 +390,23 @@ class FleetSimulation:
             waiting=waiting,
             queued_prefill_tokens=queued,
             prefill_tokens_per_s=cfg.prefill_tokens_per_s,
-            inflight=self.inflight[wid],
-            pending=self.pending[wid],
-            held_blocks=self.index.block_count(wid),
+            inflight=view.inflight[wid],
+            pending=view.pending[wid],
+            held_blocks=view.index.block_count(wid),
             capacity_blocks=cfg.capacity_blocks,
         )
 
-    def session_worker(self, shape: RequestShape, now: float) -> str | None:
-        """The worker ``shape``'s session is bound to, if the binding has not expired."""
+    def session_worker(self, view: GatewayView, shape: RequestShape, now: float) -> str | None:
+        """The worker ``shape``'s session is bound to at ``view``, if not expired."""
         if shape.session is None:
             return None
-        entry = self.sessions.get(shape.session)
+        entry = view.sessions.get(shape.session)
         if entry is None or now - entry[1] > self.cfg.session_ttl_s:
             return None
         return entry[0]
 
 
-_ARRIVE, _PREFILL_DONE, _FINISH, _STORED, _REMOVED, _HEARTBEAT = range(6)
+_ARRIVE, _PREFILL_DONE, _FINISH, _STORED, _REMOVED, _HEARTBEAT, _PEER = range(7)
 
 
 def ideal_hit_rate(records: Iterable[RequestRecord], block_size: int) -> float:

@@ -21,6 +21,12 @@ each 20 s window squeezed into its first 4 s: five times the mean rate, then
 silence), and ``mooncake_32`` (the trace rescaled to 32-token blocks as
 ``bench_peers`` replays it through aiperf on emulated workers: its first 500
 requests, 16-token engine blocks, sped up 4x and 8x).
+
+With ``--replicas N`` each cell also runs kvroute as N gateway replicas taking
+requests in turn (``SimConfig.replicas``: each hears what the others routed
+``replica_lag_s`` late) and compares them with one gateway: a cell's replicas
+pass when their hit rate is within ``--hit-tolerance`` of one gateway's and
+their TTFT p99 within ``--p99-tolerance``.
 """
 
 from __future__ import annotations
@@ -144,12 +150,21 @@ def run_cell(
     *,
     router: tuple[tuple[str, object], ...] = (),
     known: dict[str, dict[str, float]] | None = None,
+    replicas: int = 1,
 ) -> dict[str, dict[str, float]]:
-    """Every policy's figures in one cell; ``known`` baselines are reused, not re-run."""
+    """Every policy's figures in one cell; ``known`` baselines are reused, not re-run.
+
+    With ``replicas`` > 1, kvroute as that many gateway replicas too, under
+    ``replicas_key(replicas)``.
+    """
     out = {}
-    for policy in SIM_POLICIES:
+    runs = [(policy, 1) for policy in SIM_POLICIES]
+    if replicas > 1:
+        runs.append(("kvroute", replicas))
+    for policy, n in runs:
+        key = policy if n == 1 else replicas_key(n)
         if known and policy != "kvroute" and policy in known:
-            out[policy] = known[policy]
+            out[key] = known[policy]
             continue
         cfg = SimConfig(
             workers=workers,
@@ -157,10 +172,29 @@ def run_cell(
             capacity_tokens=capacity,
             policy=policy,
             router_options=router if policy == "kvroute" else (),
+            replicas=n,
         )
         r = run_policy(cfg, shapes, progress=False)
-        out[policy] = {k: r[k] for k in ("hit_rate", "ttft_p50_s", "ttft_p99_s", "load_cov")}
+        out[key] = {k: r[k] for k in ("hit_rate", "ttft_p50_s", "ttft_p99_s", "load_cov")}
     return out
+
+
+def replicas_key(n: int) -> str:
+    return f"kvroute_{n}_replicas"
+
+
+def replica_margins(
+    cell: dict[str, dict[str, float]], n: int, hit_tol: float, p99_tol: float
+) -> dict[str, Any]:
+    """kvroute as ``n`` replicas against one kvroute gateway in one cell."""
+    one, many = cell["kvroute"], cell[replicas_key(n)]
+    hit_margin = many["hit_rate"] - one["hit_rate"]
+    p99_ratio = many["ttft_p99_s"] / one["ttft_p99_s"]
+    return {
+        "hit_margin": hit_margin,
+        "p99_ratio": p99_ratio,
+        "passes": hit_margin >= -hit_tol and p99_ratio <= 1.0 + p99_tol,
+    }
 
 
 def stored_baselines(path: Path, seed: int, limit: int) -> dict[tuple[str, float, int, int], Any]:
@@ -209,6 +243,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                     capacity,
                     router=router,
                     known=known.get((name, rate, workers, capacity)),
+                    replicas=args.replicas,
                 )
                 row = {
                     "workload": name,
@@ -219,6 +254,10 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                     "policies": cell,
                     **margins(cell, args.hit_tolerance, args.p99_tolerance),
                 }
+                if args.replicas > 1:
+                    row["replicas"] = replica_margins(
+                        cell, args.replicas, args.hit_tolerance, args.p99_tolerance
+                    )
                 cells.append(row)
                 logger.info(
                     "%s x%.0f %d workers %d tokens: hit %+.4f (%s), p99 x%.3f (%s) %.0fs",
@@ -232,7 +271,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                     row["best_p99_baseline"],
                     time.perf_counter() - t0,
                 )
-    return {
+    out: dict[str, Any] = {
         "cells": cells,
         "hit_tolerance": args.hit_tolerance,
         "p99_tolerance": args.p99_tolerance,
@@ -244,6 +283,11 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         "router": dict(router),
         "command": "python -m loadtest.sweep " + " ".join(args.argv),
     }
+    if args.replicas > 1:
+        out["replicas"] = args.replicas
+        out["replicas_cells_passing"] = sum(c["replicas"]["passes"] for c in cells)
+        out["replicas_target_met"] = all(c["replicas"]["passes"] for c in cells)
+    return out
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -253,16 +297,27 @@ def markdown(result: dict[str, Any]) -> str:
         "| hit margin | kvroute p99 | best baseline p99 | p99 ratio | pass |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    n = result.get("replicas", 1)
+    if n > 1:
+        lines[0] += f" {n} replicas: hit margin | p99 ratio | pass |"
+        lines[1] += "---|---|---|"
     for c in result["cells"]:
         p = c["policies"]
         bh, bp = c["best_hit_baseline"], c["best_p99_baseline"]
-        lines.append(
+        line = (
             f"| {c['workload']} | x{c['rate']:g} | {c['workers']} | {c['capacity_tokens']:,} "
             f"| {p['kvroute']['hit_rate']:.4f} | {p[bh]['hit_rate']:.4f} ({bh}) "
             f"| {c['hit_margin']:+.4f} | {_s(p['kvroute']['ttft_p99_s'])} "
             f"| {_s(p[bp]['ttft_p99_s'])} ({bp}) | {c['p99_ratio']:.3f} "
             f"| {'yes' if c['passes'] else '**no**'} |"
         )
+        if n > 1:
+            r = c["replicas"]
+            line += (
+                f" {r['hit_margin']:+.4f} | {r['p99_ratio']:.3f} "
+                f"| {'yes' if r['passes'] else '**no**'} |"
+            )
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
@@ -289,6 +344,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--baselines",
         type=Path,
         help="reuse the other policies' figures from this earlier sweep JSON",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="also run kvroute as this many gateway replicas and compare with one (default 1: no)",
     )
     p.add_argument("--json", type=Path, help="write the full result here")
     p.add_argument("--markdown", type=Path, help="write the table here")

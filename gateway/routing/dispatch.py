@@ -211,6 +211,8 @@ class Dispatcher:
             session_worker=self.sessions.get(job.session_key, now),
             prefix_demand=self._demand(cands, cached, now),
         )
+        if self.replicas is not None:
+            self.router.replica_rank, self.router.replica_count = self.replicas.rank()
         return self.router.choose(request, states)
 
     def _demand(self, cands: Candidates, cached: dict[str, int], now: float) -> float:

@@ -46,6 +46,12 @@ replica started always is. A stream rather than pub/sub: it is one
 key (Redis Cluster serves it from one slot) and a reader that blipped resumes
 where it was. Redis being down only loses the sharing: routing goes on from
 the local view, and the loops retry.
+
+What no stream can share is a burst: requests reaching every replica in the
+same few milliseconds are routed before any entry about them arrives. So each
+replica also knows its rank among the live ones (``rank``: gateway ids in
+sorted order), and the router breaks its ties in that share of the fleet
+(``gateway.routing.router``, step 4).
 """
 
 from __future__ import annotations
@@ -124,6 +130,7 @@ class ReplicaSync:
         # peer gateway id -> (monotonic time of its last loads entry, worker id -> load)
         self._peers: dict[str, tuple[float, dict[str, PeerLoad]]] = {}
         self._totals: dict[str, PeerLoad] | None = {}
+        self._rank = (0, 1)  # (this replica's rank, live replicas), with _totals
         self.applied = 0  # peer entries applied (tests, logs)
         self.tasks: list[asyncio.Task[None]] = []
         self._listening_since = math.inf  # until start(): never alone
@@ -255,10 +262,22 @@ class ReplicaSync:
             self._totals = self._sum_peers(time.monotonic())
         return self._totals.get(worker_id)
 
+    def rank(self) -> tuple[int, int]:
+        """(this replica's rank, the number of live replicas): ids in sorted order.
+
+        Every replica computes the same ranks from the same peers, so each can
+        take its own share of the fleet's ties (``Router``'s step 4).
+        """
+        if self._totals is None:
+            self._totals = self._sum_peers(time.monotonic())
+        return self._rank
+
     def _sum_peers(self, now: float) -> dict[str, PeerLoad]:
         totals: dict[str, PeerLoad] = {}
         for gid in [g for g, (at, _) in self._peers.items() if not _heard_lately(at, now)]:
             del self._peers[gid]
+        live = sorted([self.gateway_id, *self._peers])
+        self._rank = (live.index(self.gateway_id), len(live))
         for _, view in self._peers.values():
             for wid, p in view.items():
                 t = totals.setdefault(wid, PeerLoad())

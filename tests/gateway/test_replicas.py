@@ -69,6 +69,27 @@ async def test_a_conversation_keeps_its_worker_across_replicas(
     assert all(g.state.dispatcher.replicas.applied > 0 for g in gateways)  # type: ignore[union-attr]
 
 
+async def test_each_replica_breaks_cold_ties_in_its_own_share_of_the_fleet(
+    make_gateway: MakeGateway,
+) -> None:
+    # Replicas routing a burst at the same moment cannot hear each other in time:
+    # each takes its ties to its own share of the workers (every third by id, from
+    # its rank), so simultaneous cold requests do not land on one worker.
+    gateways = await _replicas(make_gateway, 3)
+    await _fleet(gateways, 6)
+    syncs = [g.state.dispatcher.replicas for g in gateways]
+    assert all(s is not None for s in syncs)
+    await eventually(lambda: all(s.rank()[1] == 3 for s in syncs), what="three replicas")  # type: ignore[union-attr]
+    ranks = [s.rank()[0] for s in syncs]  # type: ignore[union-attr]
+    assert sorted(ranks) == [0, 1, 2]
+    for g, rank in zip(gateways, ranks, strict=True):
+        for i in range(2):
+            system = {"role": "system", "content": f"replica {rank}, cold request {i}"}
+            resp = await g.chat([system, *HELLO], user=f"r{rank}-{i}")
+            assert resp.status == 200, await resp.text()
+            assert int(resp.headers["x-kvroute-worker"][1:]) % 3 == rank
+
+
 async def test_a_peer_holds_a_queued_chain_until_its_first_token(
     make_gateway: MakeGateway,
 ) -> None:

@@ -235,6 +235,26 @@ def test_cold_ties_rotate_over_the_fleet() -> None:
     assert {d.reason for d in picks} == {"fallback"}
 
 
+@pytest.mark.parametrize("workers", [6, 40])  # the small-fleet path and the numpy path
+def test_replicas_break_ties_each_in_its_own_share_of_the_fleet(workers: int) -> None:
+    ids = [f"w{i:02d}" for i in range(workers)]
+    ws = [WorkerState(wid, 0) for wid in ids]
+    picks: dict[int, set[str]] = {}
+    for rank in range(3):
+        router = Router(RouterConfig(), rotation_start=rank * 7)
+        router.replica_rank, router.replica_count = rank, 3
+        picks[rank] = {router.choose(req(), ws).worker_id for _ in range(workers)}
+        # Its share: every third worker in id order, from its rank, rotated over.
+        assert picks[rank] == set(ids[rank::3])
+    # A real advantage outside its share still wins: the share only splits ties.
+    router = Router(RouterConfig())
+    router.replica_rank, router.replica_count = 1, 3
+    cached = [WorkerState(wid, 8 if wid == ids[0] else 0) for wid in ids]
+    assert router.choose(req(), cached).worker_id == ids[0]
+    # So does the session's worker among ties.
+    assert router.choose(req(session=ids[2]), ws).worker_id == ids[2]
+
+
 def test_tie_goes_to_least_loaded() -> None:
     router = Router(RouterConfig(decode_weight_s=0.0))
     ws = [WorkerState("a", 0, waiting=2), WorkerState("b", 0, waiting=1)]

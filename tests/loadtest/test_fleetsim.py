@@ -13,7 +13,7 @@ import pytest
 from contract.hashing import HashSpec
 from loadtest.baselines import Chwbl, SglangLike
 from loadtest.fleetsim import FleetSimulation, SimConfig, ideal_hit_rate
-from loadtest.mooncake_trace import TraceChains, load_trace
+from loadtest.mooncake_trace import TraceChains, TraceTokens, load_trace
 from loadtest.simulate import router_options, run_policy
 from loadtest.workloads import RequestShape
 
@@ -117,10 +117,11 @@ def test_speculation_holds_until_the_first_token_then_the_grace() -> None:
     assert a.start_s is not None and a.start_s >= 10.0  # it queued behind a busy worker
     assert b.worker == a.worker and b.predicted_cached_tokens == 200
     # (The run ends after the late real events too: count the speculative pairs alone.)
-    sim.index.prune(a.arrival_s + a.ttft_s + 0.5)
-    assert sim.index.speculative_count() == 20  # held: the grace, and b waiting
-    sim.index.prune(b.arrival_s + b.ttft_s + 1.5)
-    assert sim.index.speculative_count() == 0
+    index = sim.gateways[0].index
+    index.prune(a.arrival_s + a.ttft_s + 0.5)
+    assert index.speculative_count() == 20  # held: the grace, and b waiting
+    index.prune(b.arrival_s + b.ttft_s + 1.5)
+    assert index.speculative_count() == 0
 
 
 def test_multi_turn_follows_after_the_previous_answer() -> None:
@@ -258,9 +259,65 @@ def test_simulator_sees_load_exactly_as_the_dispatcher(
     ours = dispatcher.state(entry, 2)
 
     sim = FleetSimulation(SimConfig(workers=1, block_size=10, heartbeat_s=1.0))
+    view = sim.gateways[0]
     sim.snapshot["w0"] = (running, waiting, queued, 0)
-    sim.finished_at["w0"] = [1.0] * finished
-    sim.pending_prefill["w0"] = pending
-    theirs = sim.worker_state("w0", 2, now=5.0)
+    view.finished_at["w0"] = [1.0] * finished
+    view.pending_prefill["w0"] = pending
+    theirs = sim.worker_state(view, "w0", 2, now=5.0)
     for field_name in ("running", "waiting", "queued_prefill_tokens", "cached_blocks"):
         assert getattr(ours, field_name) == getattr(theirs, field_name), field_name
+
+
+def test_replicas_hear_what_the_others_routed_replica_lag_later() -> None:
+    cfg = SimConfig(
+        workers=2,
+        block_size=10,
+        capacity_tokens=10_000,
+        prefill_tokens_per_s=100.0,
+        event_delay_s=100.0,  # no real event lands during the test: only what replicas share
+        heartbeat_s=0.0,
+        replicas=2,
+        replica_lag_s=1.0,
+    )
+    chain = tuple(range(1, 21))
+    # Requests go to the replicas in turn: a, c at the first; b, d at the second.
+    a, b, c, d = FleetSimulation(cfg).run(
+        [
+            shape("a", 0.0, chain, 200, out=1),
+            shape("b", 0.5, chain, 200, out=1),  # before a's route reaches its replica
+            shape("c", 0.6, chain, 200, out=1),
+            shape("d", 1.5, chain, 200, out=1),  # after
+        ]
+    )
+    assert a.gateway is c.gateway and b.gateway is d.gateway and a.gateway is not b.gateway
+    assert b.predicted_cached_tokens == 0
+    assert c.predicted_cached_tokens == d.predicted_cached_tokens == 200
+    assert c.worker == a.worker
+
+
+def test_three_replicas_spread_a_burst_as_one_gateway_does(tmp_path: Path) -> None:
+    # The trace's requests come in bursts at one timestamp, which replicas route before
+    # they hear each other: each breaking ties in its own share of the fleet keeps them
+    # off one worker (without it, mean TTFT 1.47x one gateway's on this fleet).
+    from loadtest.aiperf_client import rescale_trace
+
+    rescaled = tmp_path / "rescaled.jsonl"
+    rescale_trace(TRACE, rescaled, block_tokens=32, limit=500)
+    records = load_trace(rescaled, limit=500, time_scale=1 / 8)
+    shapes = list(
+        TraceChains(HashSpec(block_size=16), TraceTokens(block_tokens=32)).shapes(records)
+    )
+    fleet = SimConfig(
+        workers=16,
+        block_size=16,
+        capacity_tokens=32_768,
+        prefill_tokens_per_s=33_875.0,
+        prefill_step_s=0.006,
+        decode_step_s=0.0066,
+        event_delay_s=0.01,
+        heartbeat_s=0.5,
+    )
+    one = run_policy(fleet, shapes, progress=False)
+    three = run_policy(replace(fleet, replicas=3), shapes, progress=False)
+    assert three["hit_rate"] >= one["hit_rate"] - 0.005
+    assert three["ttft_mean_s"] <= 1.1 * one["ttft_mean_s"]
