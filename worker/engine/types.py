@@ -71,27 +71,62 @@ class EngineStats:
 
 
 class RateMeter:
-    """Exponential moving averages of prefill and decode throughput over recent steps.
+    """Recent prefill and decode throughput, from the engine's steps.
 
-    A step with prefill tokens samples the prefill rate as *all* its tokens
-    over its time (decode tokens ride along at about the same cost per
-    token), which is what predicts how fast queued prefill drains. A step
-    with decode tokens samples the decode rate as its decode tokens over its
-    time: the generation throughput actually delivered.
+    A step with prefill tokens samples the prefill rate with *all* its tokens
+    (decode tokens ride along at about the same cost per token) against its
+    time. The rate reported is the marginal one: the slope of step time over
+    step tokens, fitted over recent prefill steps (weights decaying by
+    ``1 - alpha`` a step), because a step also has a fixed cost (every weight
+    read once, scheduling) that a longer prompt does not repeat. Tokens over
+    time instead made a worker that happened to get short prompts look
+    several times slower than one that got long ones; the router then sent it
+    only short prompts, and it stayed "slow" (the emulated Mooncake replay:
+    a third of the fleet got 0.2-0.3 % of the prompt tokens each). Until the
+    recent steps differ enough in size to fit a slope, and never outside
+    ``[1, MAX_MARGINAL]`` times it, the rate is their tokens over their time.
+    A step with decode tokens samples the decode rate as its decode tokens
+    over its time: the generation throughput actually delivered.
     """
+
+    MAX_MARGINAL = 8.0  # a slope this far above tokens/time is noise, not a fixed cost
+    MIN_SPREAD = 0.25  # step sizes' deviation, relative to their mean, needed for a slope
 
     def __init__(self, alpha: float) -> None:
         self.alpha = alpha
         self.prefill = 0.0
         self.decode = 0.0
+        # Decayed sums over prefill steps: weight, tokens, seconds, tokens^2, tokens*seconds.
+        self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)
 
     def update(self, prefill_tokens: int, decode_tokens: int, elapsed_s: float) -> None:
         if elapsed_s <= 0:
             return
         if prefill_tokens:
-            self.prefill = self._mix(self.prefill, (prefill_tokens + decode_tokens) / elapsed_s)
+            self.prefill = self._fit(float(prefill_tokens + decode_tokens), elapsed_s)
         if decode_tokens:
             self.decode = self._mix(self.decode, decode_tokens / elapsed_s)
+
+    def _fit(self, tokens: float, seconds: float) -> float:
+        keep = 1.0 - self.alpha
+        w, sx, sy, sxx, sxy = (s * keep for s in self._sums)
+        w, sx, sy, sxx, sxy = (
+            w + 1,
+            sx + tokens,
+            sy + seconds,
+            sxx + tokens**2,
+            sxy + tokens * seconds,
+        )
+        self._sums = (w, sx, sy, sxx, sxy)
+        average = sx / sy
+        mean_x, mean_y = sx / w, sy / w
+        spread = sxx / w - mean_x**2
+        if spread <= (self.MIN_SPREAD * mean_x) ** 2:
+            return average
+        slope = (sxy / w - mean_x * mean_y) / spread
+        if slope <= 0:
+            return average  # longer steps were not slower: noise, nothing to fit
+        return min(max(1.0 / slope, average), self.MAX_MARGINAL * average)
 
     def _mix(self, old: float, sample: float) -> float:
         return sample if old == 0.0 else self.alpha * sample + (1.0 - self.alpha) * old
