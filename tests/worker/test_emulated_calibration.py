@@ -168,10 +168,21 @@ def test_cpu_profile_matches_the_real_engine(smollm2: Path) -> None:
     # slower by different factors (on this one cold prefill x1.3 more than decode).
     scale = {kind: (before[kind] + after[kind]) / 2 for kind in before}
     profile = load_profile(PROFILE)
-    emulated = run_engine(
-        EmulatedRunner(profile, smollm2, block_size=16, num_blocks=1024, time_scale=1.0),
-        EmulatedSampler(),
-    )
+    # The emulated engine sleeps its time model: anything else on the cores can only
+    # add to that, never take from it, so the quicker of two runs is the model's own
+    # figure (in CI one run decoded 25 % under the model, failing the shape check).
+    runs = [
+        run_engine(
+            EmulatedRunner(profile, smollm2, block_size=16, num_blocks=1024, time_scale=1.0),
+            EmulatedSampler(),
+        )
+        for _ in range(2)
+    ]
+    emulated = {
+        "ttft_cold_s": min(r["ttft_cold_s"] for r in runs),
+        "ttft_hit_s": min(r["ttft_hit_s"] for r in runs),
+        "decode_tokens_per_s": max(r["decode_tokens_per_s"] for r in runs),
+    }
     # Emulated over real, all as times (decode as seconds per token).
     ratios = {
         "ttft_cold_s": emulated["ttft_cold_s"] * scale["prefill"] / real["ttft_cold_s"],
