@@ -58,6 +58,9 @@ class Harness:
         max_model_len: int = 2048,
         **fake: Any,
     ) -> tuple[FakeWorker, FakeRegistration]:
+        # A second worker under one id would replace the first in ``workers`` and
+        # leave its gRPC server running past the test (its __del__ then hangs exit).
+        assert worker_id not in self.workers, f"{worker_id} was added already"
         ids = [*self.tok.encode_text(reply), 2]  # then <|im_end|>, as the model would
         worker = await FakeWorker(worker_id, ids, **fake).start()
         reg = FakeRegistration(

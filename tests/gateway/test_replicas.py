@@ -233,7 +233,7 @@ async def test_a_lone_replica_writes_only_its_keepalive(
     assert set((await _entry_kinds(a))[before:]) == {"loads"}  # keepalives, nothing per request
     # A second replica announces itself, the first answers, and both share again.
     b = await make_gateway(redis_namespace=a.state.config.redis_namespace)
-    await _fleet([a, b], 2)
+    await eventually(partial(_has_workers, b, 2), what="fleet")
     await eventually(lambda: not sync.alone(time.monotonic()), what="the peer found")
     before = len(await _entry_kinds(a))
     first = await a.chat(HELLO, user="later")
