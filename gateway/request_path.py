@@ -27,6 +27,7 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -98,21 +99,39 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     relay = Relay(
         state.tokenizer.tokenizer, served_name(state, s.model), job, s, chat, tools, tool_fmt
     )
-    if s.stream:
-        # A stream's headers go out now, not with its first token: a client queued on
-        # a busy worker sees the routing headers at once (vLLM, too, answers at once).
-        await relay.start_sse(request, decision.worker_id, decision.reason)
+    # A stream's headers go out once its request is on its way to the worker, not
+    # with its first token: a client queued on a busy worker sees the routing headers
+    # at once (vLLM, too, answers at once), and writing them costs the request nothing
+    # (sent before the request, they were ~0.4 ms of every time to first token).
+    headers: asyncio.Future[web.StreamResponse] | None = None
+
+    def send_headers() -> None:
+        nonlocal headers
+        if s.stream and headers is None:
+            headers = asyncio.ensure_future(
+                relay.start_sse(request, decision.worker_id, decision.reason)
+            )
+
     # 8. open
     try:
-        streams = await open_choices(d, job, candidates, cached, decision, s.n)
+        streams = await open_choices(d, job, candidates, cached, decision, s.n, send_headers)
     except APIError as exc:
         if not s.stream:
             raise
+        send_headers()
+        assert headers is not None
+        await headers
         return await relay.fail_sse(exc)
+    except BaseException:
+        if headers is not None:
+            headers.cancel()
+        raise
     stream = streams[0]
     relay.attach(streams)
     # 9. relay
     try:
+        if headers is not None:
+            await headers
         resp = await (relay.sse() if s.stream else relay.json_body())
     finally:
         for other in streams[1:]:
@@ -140,13 +159,14 @@ async def open_choices(
     cached: dict[str, int],
     decision: Decision,
     n: int,
+    on_sent: Callable[[], None] | None = None,
 ) -> list[Stream]:
     """The first choice's stream as routed; with ``n`` > 1 the others on the same worker.
 
     They are opened once the first produced its first token, so its prompt blocks are
     cached there and the other choices only compute the last, partial block.
     """
-    streams = [await d.open(job, candidates, cached, decision)]
+    streams = [await d.open(job, candidates, cached, decision, on_sent)]
     first = streams[0]
     pinned = Decision(
         first.worker_id, first.reason, first.predicted_cached_tokens, (first.worker_id,)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from contract.hashing import HashSpec
 from gateway.observe.metrics import GatewayMetrics
@@ -223,9 +224,18 @@ class Dispatcher:
     # -- sending ---------------------------------------------------------------------
 
     async def open(
-        self, job: Job, cands: Candidates, cached: dict[str, int], decision: Decision
+        self,
+        job: Job,
+        cands: Candidates,
+        cached: dict[str, int],
+        decision: Decision,
+        on_sent: Callable[[], None] | None = None,
     ) -> Stream:
-        """Sends ``job`` down ``decision.ranked`` until a worker produces a first chunk."""
+        """Sends ``job`` down ``decision.ranked`` until a worker produces a first chunk.
+
+        ``on_sent`` is called once, as soon as the first attempt's request is on its
+        way: work that must not delay the request (the client's headers) goes there.
+        """
         self.metrics.routing_seconds.observe(time.perf_counter() - job.started)
         deadline = time.monotonic() + self.request_timeout_s
         last_error: UpstreamError | None = None
@@ -260,6 +270,9 @@ class Dispatcher:
             generation = job.for_worker(entry.record.max_model_len, attempt, interval)
             upstream = self.upstreams[getattr(entry.record, "transport", "") or DEFAULT_TRANSPORT]
             call = upstream.start(wid, entry.record.address, generation, max(0.001, deadline - now))
+            if on_sent is not None:
+                on_sent()
+                on_sent = None
             first: Chunk | None = None
             try:
                 first = await self._first_chunk(wid, call)
