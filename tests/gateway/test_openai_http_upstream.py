@@ -52,9 +52,11 @@ class FakeWorker:
         self.script: list[Any] = []
         self.status = 200
         self.closed_early = asyncio.Event()
+        self.peers: set[Any] = set()  # client (host, port) per connection that sent a request
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
+        self.peers.add(request.transport.get_extra_info("peername") if request.transport else None)
         if self.status != 200:
             return web.json_response(
                 {"error": {"message": "nope", "code": self.status}}, status=self.status
@@ -182,3 +184,16 @@ async def test_cancel_closes_the_connection(worker: tuple[FakeWorker, str]) -> N
     call.cancel()
     await asyncio.wait_for(fake.closed_early.wait(), 3.0)  # the worker saw its client go
     await up.close()
+
+
+async def test_a_finished_stream_leaves_its_connection_for_the_next(
+    worker: tuple[FakeWorker, str],
+) -> None:
+    # A request to a vLLM worker must not pay for a new TCP connection each time.
+    fake, address = worker
+    fake.script = [_chunk([5]), _chunk([6], "stop"), USAGE, "[DONE]"]
+    up = OpenAIHTTPUpstream()
+    for _ in range(3):
+        assert (await _all(up, address))[-1].finished
+    await up.close()
+    assert len(fake.bodies) == 3 and len(fake.peers) == 1
