@@ -150,6 +150,8 @@ OPTIONS: dict[str, Option] = {
     "guided_grammar": (UNSUPPORTED, BOTH, _absent, "vLLM extension (structured output)"),
     "structured_outputs": (UNSUPPORTED, BOTH, _absent, "vLLM extension (structured output)"),
     "truncate_prompt_tokens": (UNSUPPORTED, BOTH, _absent, "vLLM extension"),
+    "return_token_ids": (UNSUPPORTED, BOTH, _not_asked, "vLLM extension (ids in each choice)"),
+    "return_tokens_as_token_ids": (UNSUPPORTED, BOTH, _not_asked, "vLLM extension"),
 }
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 

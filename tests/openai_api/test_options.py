@@ -39,12 +39,24 @@ def test_unsupported_chat_option_is_a_400_naming_it(name: str, value: Any) -> No
 
 
 @pytest.mark.parametrize(
-    ("name", "value"), [("echo", True), ("best_of", 3), ("suffix", "x"), ("use_beam_search", True)]
+    ("name", "value"),
+    [
+        ("echo", True),
+        ("best_of", 3),
+        ("suffix", "x"),
+        ("use_beam_search", True),
+        # vLLM returns the ids in each choice; a client that asked must not get text alone.
+        ("return_token_ids", True),
+    ],
 )
 def test_unsupported_completion_option_is_a_400_naming_it(name: str, value: Any) -> None:
     with pytest.raises(APIError) as err:
         parse_completion({"prompt": "x", name: value})
     assert (err.value.code, err.value.param) == ("unsupported_parameter", name)
+
+
+def test_return_token_ids_false_is_neutral() -> None:
+    assert parse_completion({"prompt": "x", "return_token_ids": False}).prompt == "x"
 
 
 def test_neutral_values_and_supported_options_parse_exactly() -> None:
