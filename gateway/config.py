@@ -9,7 +9,6 @@ from pathlib import Path
 from contract.model_paths import SMOLLM2_ALIAS, is_smollm2_alias
 from contract.redis_layout import DEFAULT_NAMESPACE, RedisLayout
 from gateway.routing.router import RouterConfig
-from gateway.text.tokenizer import EXECUTOR_MIN_CHARS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -47,9 +46,7 @@ class GatewayConfig:
     max_retries: int = 2  # other workers tried when one fails before its first token
     tokenizer_cache_entries: int = 1024
     tokenizer_cache_tokens: int = 8_000_000
-    # Longer chats are rendered and longer uncached suffixes tokenized off the loop
-    # (gateway.text.tokenizer.EXECUTOR_MIN_CHARS says why so many).
-    executor_min_chars: int = EXECUTOR_MIN_CHARS
+    executor_min_chars: int = 4096  # longer uncached suffixes are tokenized off the loop
     index_max_entries: int = 0  # (worker, block) entries the index keeps; 0 = unbounded
     redis_cluster: bool = False  # --redis-url is a node of a Redis Cluster
     # Share in-flight load, speculative entries and sessions with the other gateway

@@ -31,14 +31,6 @@ from gateway.text.prompt_prefix import ANCHOR_CHARS, PromptPrefixCache, ids_befo
 logger = logging.getLogger(__name__)
 
 _DEFAULT_MAX_MODEL_LEN = 4096
-# Text at least this long is rendered and encoded on an executor thread. A thread
-# is no shortcut for shorter text: it needs the GIL to start and to hand back its
-# ids, and a busy loop thread keeps the GIL up to the 5 ms switch interval each
-# time. Under load (16 emulated workers, aiperf replaying Mooncake) prompts of
-# 800+ tokens sent there took 15.9 ms from request to worker at the median
-# against 1.7 ms for shorter ones tokenized on the loop. 16k characters (~4k
-# tokens) encode in 2-5 ms on the loop, about one decode step.
-EXECUTOR_MIN_CHARS = 16_384
 # Probe conversation for finding the message marker and checking the split identity:
 # whitespace and multi-byte text next to the markers, where a merge across them would show.
 _PROBE = [
@@ -81,7 +73,7 @@ class ChatTokenizer:
         *,
         cache_entries: int = 1024,
         cache_tokens: int = 8_000_000,
-        executor_min_chars: int = EXECUTOR_MIN_CHARS,
+        executor_min_chars: int = 4096,
         incremental: bool = True,
     ) -> None:
         from transformers import AutoTokenizer  # heavy: imported only when a gateway starts
