@@ -124,7 +124,9 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
         return await relay.fail_sse(exc)
     except BaseException:
         if headers is not None:
-            headers.cancel()
+            headers.cancel()  # nothing when it is done already
+            if headers.done() and not headers.cancelled():
+                headers.exception()  # its client going away is not a second error to log
         raise
     stream = streams[0]
     relay.attach(streams)
