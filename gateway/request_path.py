@@ -74,11 +74,14 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     # 2. tenant
     tenant = request.get(TENANT, ANONYMOUS)
     # 3. tokenize
+    tokenize_started = time.perf_counter()
     prompt = await tokenize(state, req)
+    tokenize_s = time.perf_counter() - tokenize_started
+    state.metrics.tokenize_seconds.observe(tokenize_s)
     # 4. limits
     max_tokens = fit_context(state, s, prompt, chat)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    note_request(request, rid, tenant.name)
+    note_request(request, rid, tenant.name).tokenize_s = tokenize_s
     job = Job(
         request_id=rid,
         prompt=prompt,

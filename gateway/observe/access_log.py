@@ -1,12 +1,14 @@
 """One access log line per HTTP request, at INFO on the ``kvroute.access`` logger.
 
 The request path notes what it learns on a ``web.Request`` (``note_request``:
-request id and tenant; ``observe_finished``: worker, routing reason, prompt,
-predicted and reported cached tokens, generated tokens, TTFT); the error
-middleware writes the line once the response is done, whatever its status::
+request id and tenant, then the prompt's tokenizing time; ``observe_finished``:
+worker, routing reason, prompt, predicted and reported cached tokens, generated
+tokens, TTFT); the error middleware writes the line once the response is done,
+whatever its status::
 
     POST /v1/chat/completions 200 id=chatcmpl-1f.. tenant=- worker=worker-0 reason=cache
-      prompt=161 predicted=144 cached=144 completion=48 ttft=0.113s time=0.742s
+      prompt=161 predicted=144 cached=144 completion=48 tokenize=0.0009s ttft=0.113s
+      time=0.742s
 
 (one line in the log). Probes and scrapes (``/health``, ``/readyz``, ``/metrics``,
 the dashboard's polls) log at DEBUG. ``--access-log false`` turns it off.
@@ -41,6 +43,7 @@ class AccessRecord:
     predicted_cached_tokens: int | None = None
     cached_tokens: int | None = None
     completion_tokens: int | None = None
+    tokenize_s: float | None = None
     ttft_s: float | None = None
 
 
@@ -88,10 +91,11 @@ def log_access(request: web.Request, status: int, started: float) -> None:
         return
     r = request.get(ACCESS) or AccessRecord()
     ttft = "-" if r.ttft_s is None else f"{r.ttft_s:.3f}s"
+    tokenize = "-" if r.tokenize_s is None else f"{r.tokenize_s:.4f}s"
     access_logger.log(
         level,
         "%s %s %d id=%s tenant=%s worker=%s reason=%s prompt=%s predicted=%s cached=%s "
-        "completion=%s ttft=%s time=%.3fs",
+        "completion=%s tokenize=%s ttft=%s time=%.3fs",
         request.method,
         request.path,
         status,
@@ -103,6 +107,7 @@ def log_access(request: web.Request, status: int, started: float) -> None:
         _n(r.predicted_cached_tokens),
         _n(r.cached_tokens),
         _n(r.completion_tokens),
+        tokenize,
         ttft,
         time.perf_counter() - started,
     )

@@ -89,6 +89,15 @@ class GatewayMetrics:
             buckets=_ROUTING_BUCKETS,
             registry=r,
         )
+        # Part of routing_seconds, apart because only kvroute pays it: routers that
+        # route on text (sglang-router, vllm-router) never run the chat template or
+        # tokenizer, and under load a long prompt's encode is most of the front.
+        self.tokenize_seconds = Histogram(
+            p + "tokenize_seconds",
+            "Chat template + tokenization of a request's prompt",
+            buckets=_ROUTING_BUCKETS,
+            registry=r,
+        )
         self.ttft_seconds = Histogram(
             p + "ttft_seconds",
             "Time to first token seen by the gateway",

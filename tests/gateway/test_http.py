@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 from typing import Any
 
 import pytest
@@ -139,6 +141,7 @@ async def test_metrics_names(gateway: Harness) -> None:
         "kvroute_gateway_inflight_requests 0.0",
         "process_cpu_seconds_total",
         "kvroute_gateway_routing_seconds_bucket",
+        "kvroute_gateway_tokenize_seconds_count 1.0",
         "kvroute_gateway_ttft_seconds_bucket",
         "kvroute_gateway_e2e_seconds_bucket",
         "kvroute_gateway_index_blocks",
@@ -151,6 +154,19 @@ async def test_metrics_names(gateway: Harness) -> None:
     # One label name for the worker, on the gateway as on the workers; no vllm:* by default.
     assert 'worker="' not in text and "kind=" not in text and "vllm:" not in text
     assert 'kvroute_gateway_responses_total{code="200"} 1.0' in text
+
+
+async def test_the_access_log_times_the_prompts_tokenizing(
+    gateway: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    await gateway.add_worker("w1")
+    with caplog.at_level(logging.INFO, logger="kvroute.access"):
+        assert (await gateway.chat(HELLO)).status == 200
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvroute.access"]
+    assert len(lines) == 1, lines
+    tokenize = float(re.search(r" tokenize=([0-9.]+)s ", lines[0]).group(1))  # type: ignore[union-attr]
+    total = float(re.search(r" time=([0-9.]+)s$", lines[0]).group(1))  # type: ignore[union-attr]
+    assert 0 <= tokenize <= total
 
 
 async def _tokenizer_cache_samples(gateway: Harness) -> dict[tuple[str, ...], float]:
