@@ -81,7 +81,7 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     # 4. limits
     max_tokens = fit_context(state, s, prompt, chat)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    note_request(request, rid, tenant.name).tokenize_s = tokenize_s
+    note_request(request, rid, tenant.name, tokenize_s)
     job = Job(
         request_id=rid,
         prompt=prompt,

@@ -1,7 +1,7 @@
 """One access log line per HTTP request, at INFO on the ``kvroute.access`` logger.
 
 The request path notes what it learns on a ``web.Request`` (``note_request``:
-request id and tenant, then the prompt's tokenizing time; ``observe_finished``:
+request id, tenant and the prompt's tokenizing time; ``observe_finished``:
 worker, routing reason, prompt, predicted and reported cached tokens, generated
 tokens, TTFT); the error middleware writes the line once the response is done,
 whatever its status::
@@ -50,9 +50,11 @@ class AccessRecord:
 ACCESS = web.RequestKey("access", AccessRecord)
 
 
-def note_request(request: web.Request, request_id: str, tenant: str) -> AccessRecord:
+def note_request(
+    request: web.Request, request_id: str, tenant: str, tokenize_s: float
+) -> AccessRecord:
     """Starts the record of an OpenAI request (called once its id is known)."""
-    record = AccessRecord(request_id=request_id, tenant=tenant or "-")
+    record = AccessRecord(request_id=request_id, tenant=tenant or "-", tokenize_s=tokenize_s)
     request[ACCESS] = record
     return record
 
