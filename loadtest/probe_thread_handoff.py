@@ -9,8 +9,8 @@ pattern of a gateway under load, and prints one JSON object::
 
     python -m loadtest.probe_thread_handoff [--jobs 20] [--busy-ms 2] [--sleep-ms 0.5 1 0]
 
-A sleep under 1 ms is 0 ms to libuv's timers, so on uvloop such a loop never
-blocks in its poll: every iteration has ready work.
+On uvloop a 0.5 ms sleep behaved like ``sleep(0)`` (a loop that always has
+ready work), where asyncio's loop slept; the defaults show both.
 """
 
 from __future__ import annotations
@@ -29,11 +29,16 @@ from loadtest.stats import percentile
 _JOB_S = 0.001  # each job runs 1 ms of Python on its thread
 
 
-def _job() -> tuple[float, float]:
-    started = time.perf_counter()
-    end = started + _JOB_S
+def _spin(seconds: float) -> None:
+    """Runs Python (holding the GIL) for ``seconds``."""
+    end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
+
+
+def _job() -> tuple[float, float]:
+    started = time.perf_counter()
+    _spin(_JOB_S)
     return started, time.perf_counter()
 
 
@@ -42,9 +47,7 @@ async def _measure(jobs: int, busy_s: float, sleep_s: float) -> dict[str, float]
 
     async def busy() -> None:
         while not stop:
-            end = time.perf_counter() + busy_s
-            while time.perf_counter() < end:
-                pass
+            _spin(busy_s)
             await asyncio.sleep(sleep_s)
 
     loop = asyncio.get_running_loop()
