@@ -41,6 +41,7 @@ from worker.model.emulated import EmulatedRunner, EmulatedSampler, load_profile,
 
 PROFILE = "cpu-smollm2"
 REFERENCE_STEPS = (("prefill", 256, 0), ("decode", 8, 512))
+REFERENCE_STEPS_KINDS = tuple(step[0] for step in REFERENCE_STEPS)
 PROMPT, SHARED = 512, 448
 BATCH, DECODE_PROMPT, NEW_TOKENS = 8, 32, 24
 TOLERANCE = 0.20
@@ -150,7 +151,7 @@ def test_cpu_profile_matches_the_real_engine(smollm2: Path) -> None:
         runner = ModelRunner(smollm2, block_size=16, num_blocks=1024)
         # The real engine is measured between two reads of the reference steps; when
         # they drift apart something else took the cores meanwhile (in CI, a process
-        # of the test before still exiting), so measure again and keep the steadiest.
+        # of the test before still exiting), so measure again, up to a few times.
         attempts = []
         for _ in range(STEADY_ATTEMPTS):
             before = slowdown_now(runner)
@@ -160,13 +161,24 @@ def test_cpu_profile_matches_the_real_engine(smollm2: Path) -> None:
             attempts.append((drift, before, real, after))
             if drift <= STEADY_DRIFT:
                 break
-        drift, before, real, after = min(attempts, key=lambda a: a[0])
     finally:
         torch.set_num_threads(threads)
+    # Whatever else runs on the cores only adds CPU time (shared caches, a busy
+    # hyperthread sibling), so each figure's quickest reading over the attempts is the
+    # least disturbed one: real figures and reference steps alike. Pairing them by
+    # attempt instead failed once when every attempt drifted 7 % and the decode
+    # batch was slowed in a different moment than the reference steps around it.
+    real = {
+        "ttft_cold_s": min(a[2]["ttft_cold_s"] for a in attempts),
+        "ttft_hit_s": min(a[2]["ttft_hit_s"] for a in attempts),
+        "decode_tokens_per_s": max(a[2]["decode_tokens_per_s"] for a in attempts),
+    }
+    probes = [probe for a in attempts for probe in (a[1], a[3])]
+    drift = min(a[0] for a in attempts)
     # Each kind scaled by its own slowdown: a host with other vector units than the one
     # the profile was measured on (AVX2 here, AVX-512 there) runs prefill and decode
     # slower by different factors (on this one cold prefill x1.3 more than decode).
-    scale = {kind: (before[kind] + after[kind]) / 2 for kind in before}
+    scale = {kind: min(probe[kind] for probe in probes) for kind in REFERENCE_STEPS_KINDS}
     profile = load_profile(PROFILE)
     # The emulated engine sleeps its time model: anything else on the cores can only
     # add to that, never take from it, so the quicker of two runs is the model's own
@@ -194,7 +206,7 @@ def test_cpu_profile_matches_the_real_engine(smollm2: Path) -> None:
     overall = sorted(ratios.values())[1]
     detail = (
         f"real {real}, emulated {emulated} unscaled, scaled by {scale} "
-        f"(reference steps {before} before, {after} after, drift {drift:.3f} after "
+        f"(reference steps {probes}, least drift {drift:.3f} in "
         f"{len(attempts)} attempts); emulated/real {ratios}"
     )
     for key, ratio in ratios.items():
