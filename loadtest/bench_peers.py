@@ -329,6 +329,12 @@ def add_matrix_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-block-tokens", type=int, default=d.trace_block_tokens)
     g.add_argument("--trace-speedup", type=float, default=d.trace_speedup)
     g.add_argument("--plot-dir", default="", help="write one PNG per workload here")
+    g.add_argument(
+        "--rounds",
+        type=int,
+        default=d.rounds,
+        help="run every router this many times, alternating their order; report medians",
+    )
 
 
 def main_emulated(args: argparse.Namespace, argv: Sequence[str] | None) -> int:

@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -89,11 +90,14 @@ class MatrixConfig:
     prefix_zipf: float = 1.1
     prefix_arrival_rate: float = 8.0
     aiperf_venv: str = ".venv-aiperf"
+    rounds: int = 1
 
     def __post_init__(self) -> None:
         unknown = [w for w in self.workloads if w not in WORKLOADS]
         if unknown or not self.workloads:
             raise ValueError(f"--workloads {','.join(self.workloads)!r}: choose from {WORKLOADS}")
+        if self.rounds < 1:
+            raise ValueError(f"--rounds {self.rounds}: at least 1")
 
 
 def reset_caches(worker_urls: Sequence[str]) -> None:
@@ -347,20 +351,39 @@ def run_router(
 
 
 def run(cfg: FleetBenchConfig, pcfg: Any, mcfg: MatrixConfig, command: str) -> dict[str, Any]:
-    """Every router (fresh fleet each) x every workload; the issue's JSON shape."""
-    by_router: dict[str, dict[str, dict[str, Any]]] = {}
-    for router in pcfg.routers:
-        logger.warning("router %s: starting a fresh fleet of %d workers", router, cfg.workers)
-        try:
-            by_router[router] = run_router(cfg, pcfg, mcfg, router)
-        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-            logger.warning("router %s: the fleet failed: %s", router, exc)
-            by_router[router] = {
-                w: {"error": f"{type(exc).__name__}: {exc}"} for w in mcfg.workloads
-            }
-        if cfg.log_dir:  # a long run keeps what it measured so far
-            partial = Path(cfg.log_dir) / "partial.json"
-            partial.write_text(json.dumps(by_router, default=str))
+    """Every router (fresh fleet each) x every workload, ``rounds`` times; the issue's JSON shape.
+
+    Rounds alternate the routers' order, so a host growing slower or quicker
+    during the run weighs on every router alike; each figure is then the
+    median over the rounds (one run's TTFT p99 moves ~15 % from run to run).
+    """
+    rounds: list[dict[str, dict[str, dict[str, Any]]]] = []
+    for k in range(mcfg.rounds):
+        order = list(pcfg.routers) if k % 2 == 0 else list(reversed(pcfg.routers))
+        by_router: dict[str, dict[str, dict[str, Any]]] = {}
+        for router in order:
+            logger.warning(
+                "round %d/%d, router %s: starting a fresh fleet of %d workers",
+                k + 1,
+                mcfg.rounds,
+                router,
+                cfg.workers,
+            )
+            try:
+                by_router[router] = run_router(cfg, pcfg, mcfg, router)
+            except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                logger.warning("router %s: the fleet failed: %s", router, exc)
+                by_router[router] = {
+                    w: {"error": f"{type(exc).__name__}: {exc}"} for w in mcfg.workloads
+                }
+            if cfg.log_dir:  # a long run keeps what it measured so far
+                partial = Path(cfg.log_dir) / "partial.json"
+                partial.write_text(json.dumps([*rounds, by_router], default=str))
+        rounds.append(by_router)
+    by_router = {
+        router: {w: median_round([r[router][w] for r in rounds]) for w in mcfg.workloads}
+        for router in pcfg.routers
+    }
     keys = ("hit_rate", "ttft_p50_s", "ttft_p99_s", "tokens_per_s", "max_worker_share")
     workloads: dict[str, dict[str, dict[str, Any]]] = {}
     for workload in mcfg.workloads:
@@ -392,6 +415,32 @@ def run(cfg: FleetBenchConfig, pcfg: Any, mcfg: MatrixConfig, command: str) -> d
     }
 
 
+def median_round(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One router's figures on one workload over rounds: each number its median.
+
+    Rounds that failed are left out (an error is reported only when all did);
+    the rounds themselves are kept under ``rounds``.
+    """
+    if len(runs) == 1:
+        return runs[0]
+    ok = [r for r in runs if "hit_rate" in r]
+    if not ok:
+        return {"error": runs[0].get("error", "?"), "rounds": list(runs)}
+    return {**medians(ok), "rounds": list(runs)}
+
+
+def medians(figures: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per key of the first dict, the median of the numbers (nested dicts likewise)."""
+    out: dict[str, Any] = {}
+    for key in figures[0]:
+        values: list[Any] = [f.get(key) for f in figures]
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            out[key] = statistics.median(values)
+        elif all(isinstance(v, dict) for v in values):
+            out[key] = medians(values)
+    return out
+
+
 def matrix_config(args: Any) -> MatrixConfig:
     d = MatrixConfig()
     workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
@@ -401,4 +450,5 @@ def matrix_config(args: Any) -> MatrixConfig:
         trace_limit=args.trace_limit,
         trace_block_tokens=args.trace_block_tokens,
         trace_speedup=args.trace_speedup,
+        rounds=args.rounds,
     )

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from loadtest.aiperf_client import hub_cache, rescale_trace
+from loadtest.peers_matrix import MatrixConfig, median_round
 from loadtest.peers_report import markdown, verdict
 
 
@@ -75,3 +78,24 @@ def test_verdict_needs_kvroute_best_on_every_figure() -> None:
     assert "| w | kvroute | 0.900 | 100.0 ms | 500.0 ms | 100 | 0.10 |" in markdown(
         {"workloads": {"w": rows}}
     )
+
+
+def test_rounds_report_each_figure_as_its_median_and_keep_the_rounds() -> None:
+    rounds = [
+        {**row(0.16, 0.030, 0.230), "gateway": {"predicted_hit_rate": 0.2}},
+        {**row(0.15, 0.028, 0.210), "gateway": {"predicted_hit_rate": 0.4}},
+        {"error": "RuntimeError: the fleet failed"},
+        {**row(0.17, 0.029, 0.220), "gateway": {"predicted_hit_rate": 0.3}},
+    ]
+    merged = median_round(rounds)
+    # The failed round is left out of the medians, and kept with the others.
+    assert merged["hit_rate"] == pytest.approx(0.16)
+    assert merged["ttft_p50_s"] == pytest.approx(0.029)
+    assert merged["ttft_p99_s"] == pytest.approx(0.220)
+    assert merged["gateway"]["predicted_hit_rate"] == pytest.approx(0.3)
+    assert merged["rounds"] == rounds
+    assert median_round(rounds[:1]) == rounds[0]  # one round: reported as measured
+    failed = median_round([rounds[2], rounds[2]])
+    assert failed["error"] == "RuntimeError: the fleet failed"
+    with pytest.raises(ValueError, match="--rounds 0"):
+        MatrixConfig(rounds=0)
