@@ -12,7 +12,10 @@ gateway could carry a request:
 - ``unary``: one call, one message back (what a non-streaming request needs);
 - ``bidi_mux``: one long-lived bidirectional call per worker carrying every
   request, the request id in each message, two messages back per request —
-  the first token still goes at once.
+  the first token still goes at once;
+- ``frames``: the same long-lived stream of ``CallFrames`` / ``ReplyFrames``
+  without gRPC: length-prefixed messages on one TCP connection
+  (``contract.frames``, a worker's ``--frames-port``).
 
 Each mode runs a closed loop at ``--concurrency`` on a uvloop, in its own
 client process (so the modes do not share a grpc channel or its threads), for
@@ -43,10 +46,11 @@ from typing import Any
 
 import grpc
 
+from contract import frames
 from contract import worker_pb2 as pb
 from loadtest.fleet import free_port
 
-MODES = ("unary_stream", "unary_stream_1", "unary", "bidi_mux")
+MODES = ("unary_stream", "unary_stream_1", "unary", "bidi_mux", "frames")
 SERVICE = "/kvroute.bench.Shapes/"
 PROMPT_TOKENS = 209
 NEW_TOKENS = 8
@@ -78,6 +82,27 @@ def _last(request_id: str, tokens: int) -> pb.GenerateResponse:
 
 
 # -- the instant server ------------------------------------------------------------
+
+
+async def _serve_frames(port: int) -> None:
+    """The ``frames`` mode's server: two ``ReplyFrames`` back per request frame."""
+
+    async def answer(conn: frames.FramedConnection[pb.CallFrames]) -> None:
+        while (batch := await conn.read()) is not frames.EOF:
+            for frame in batch.frames:
+                rid = frame.request.request_id
+                first = pb.ReplyFrame(call_id=frame.call_id, response=_first(rid))
+                last = pb.ReplyFrame(call_id=frame.call_id, response=_last(rid, NEW_TOKENS - 1))
+                await conn.write(pb.ReplyFrames(frames=[first]))
+                await conn.write(pb.ReplyFrames(frames=[last]))
+
+    def connection() -> frames.FramedConnection[pb.CallFrames]:
+        conn = frames.FramedConnection(pb.CallFrames.FromString)
+        tasks.add(asyncio.ensure_future(answer(conn)))
+        return conn
+
+    tasks: set[asyncio.Future[None]] = set()
+    await asyncio.get_running_loop().create_server(connection, "127.0.0.1", port)
 
 
 async def _serve(port: int) -> None:
@@ -112,6 +137,7 @@ async def _serve(port: int) -> None:
     )
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
+    await _serve_frames(port + 1)
     print("ready", flush=True)
     await server.wait_for_termination()
 
@@ -142,6 +168,28 @@ async def _client(port: int, mode: str, requests: int, concurrency: int) -> dict
 
         async def one() -> None:
             await unary_call(_request(str(next(ids))), timeout=30)
+
+    elif mode == "frames":
+        event_loop = asyncio.get_running_loop()
+        _, conn = await event_loop.create_connection(
+            lambda: frames.FramedConnection(pb.ReplyFrames.FromString), "127.0.0.1", port + 1
+        )
+        calls: dict[int, asyncio.Future[None]] = {}
+
+        async def take() -> None:
+            while (batch := await conn.read()) is not frames.EOF:
+                for reply in batch.frames:
+                    if reply.response.finished:
+                        calls.pop(reply.call_id).set_result(None)
+
+        reader = asyncio.ensure_future(take())
+
+        async def one() -> None:
+            call_id = next(ids)
+            done = calls[call_id] = event_loop.create_future()
+            request = pb.CallFrame(call_id=call_id, request=_request(str(call_id)))
+            await conn.write(pb.CallFrames(frames=[request]))
+            await done
 
     else:
         outgoing: asyncio.Queue[pb.GenerateRequest] = asyncio.Queue()
@@ -177,7 +225,7 @@ async def _client(port: int, mode: str, requests: int, concurrency: int) -> dict
     cpu0, t0 = _cpu_s(), time.perf_counter()
     await asyncio.gather(*(loop(per_task) for _ in range(concurrency)))
     elapsed, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
-    if mode == "bidi_mux":
+    if mode in ("bidi_mux", "frames"):
         reader.cancel()
     await channel.close(grace=None)
     done_requests = per_task * concurrency
@@ -188,6 +236,17 @@ async def _client(port: int, mode: str, requests: int, concurrency: int) -> dict
 
 
 # -- driver --------------------------------------------------------------------------
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _run_client(port: int, mode: str, requests: int, concurrency: int) -> dict[str, float]:
@@ -201,6 +260,8 @@ def _run_client(port: int, mode: str, requests: int, concurrency: int) -> dict[s
 
 def run(rounds: int, requests: int, concurrency: int) -> dict[str, Any]:
     port = free_port()
+    while not _port_free(port + 1):  # the frames server listens on the next port
+        port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "loadtest.bench_grpc_shapes", "--serve", "--port", str(port)],
         stdout=subprocess.PIPE,
