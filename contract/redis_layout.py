@@ -182,6 +182,8 @@ class WorkerRecord:
     transport: str = TRANSPORT_GRPC  # "grpc" (kvroute's engine) | "openai-http" (vLLM)
     http_url: str = ""  # base URL of an openai-http worker's API, e.g. http://10.0.0.5:8000
     tokenizer_fingerprint: str = ""  # contract.tokenizer_probe.fingerprint; "" = not checked
+    # host:port of the worker's plain-TCP GenerateMany (contract.frames); "" = gRPC only.
+    frames_address: str = ""
     # Seconds since the engine thread last went round its loop, at ``updated_at``:
     # a live heartbeat over a stuck engine still tells gateways to stop routing here.
     engine_step_age_s: float = 0.0

@@ -141,6 +141,13 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, Any, str]] = [
         "carry every request to a gRPC worker on its one GenerateMany stream (false: one "
         "Generate call per request)",
     ),
+    (
+        "--worker-frames",
+        "bool",
+        "true",
+        "carry that stream on a worker's frames port when it has one (plain TCP, no HTTP/2; "
+        "never with --grpc-tls-ca or a gRPC token)",
+    ),
 ]
 
 
@@ -229,6 +236,7 @@ def config_from_args(argv: list[str]) -> GatewayConfig:
         replica_sync=_flag_bool("--replica-sync", v["--replica-sync"]),
         stream_interval=v["--stream-interval"],
         grpc_mux=v["--grpc-mux"],
+        worker_frames=v["--worker-frames"],
     )
 
 

@@ -56,6 +56,8 @@ class GatewayConfig:
     stream_interval: int = 0
     # Requests to a gRPC worker ride one GenerateMany stream per worker (gateway.upstream.grpc_mux).
     grpc_mux: bool = True
+    # ...on a worker's frames port (contract.frames) where it advertises one.
+    worker_frames: bool = True
 
     def __post_init__(self) -> None:
         RedisLayout(self.redis_namespace)  # validates --redis-namespace

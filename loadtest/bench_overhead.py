@@ -7,10 +7,13 @@ c=64 and at c=1, and the most requests per second it sustained. kvroute talks
 gRPC to its fakes (registered in a private Redis with the real publisher);
 the peers talk OpenAI HTTP to theirs. The peers are the Rust binaries from PyPI
 (``loadtest.bench_peers.ensure_peer_venv``), in ``round_robin`` and
-``cache_aware``; ``kvroute_generate`` is kvroute's gateway with
-``--grpc-mux false`` (one ``Generate`` call per request instead of the
-worker's one ``GenerateMany`` stream), and ``kvroute_cpu_vs_generate`` the
-ratio of their CPU per request. Rounds interleave the routers (A/B/A/B), and every figure is
+``cache_aware``. ``kvroute`` carries its requests on each fake's frames port
+(``contract.frames``, as with workers started with ``--frames-port``);
+``kvroute_grpc`` is the same gateway with ``--worker-frames false`` (the
+worker's one gRPC ``GenerateMany`` stream) and ``kvroute_generate`` with
+``--grpc-mux false`` too (one ``Generate`` call per request);
+``kvroute_cpu_vs_grpc`` and ``kvroute_cpu_vs_generate`` are the ratios of
+their CPU per request. Rounds interleave the routers (A/B/A/B), and every figure is
 the median over rounds. The peers do not tokenize; kvroute does. The fakes
 are ``loadtest.instant_workers``: one message (gRPC) or SSE event (HTTP) per
 token, as a worker sends them when it keeps up; ``--stream-interval N`` makes
@@ -55,6 +58,7 @@ from loadtest.words import WORDS
 ROOT = Path(__file__).resolve().parents[1]
 ROUTERS = (
     "kvroute",
+    "kvroute_grpc",
     "kvroute_generate",
     "sglang_rr",
     "sglang_cache_aware",
@@ -197,7 +201,9 @@ def _router_cmd(name: str, port: int, redis_url: str, ns: str, urls: list[str]) 
             *(sys.executable, "-m", "kvroute_cli", "gateway", "--model", "smollm2"),
             *("--served-model-name", MODEL, "--redis-url", redis_url, "--redis-namespace", ns),
             *("--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"),
-            # kvroute_generate: the same gateway with one Generate call per request.
+            # kvroute_grpc: the workers' gRPC stream instead of their frames port;
+            # kvroute_generate: one Generate call per request.
+            *("--worker-frames", "true" if name == "kvroute" else "false"),
             *("--grpc-mux", "false" if name == "kvroute_generate" else "true"),
         ]
     bin_dir = ensure_peer_venv(PeersConfig())
@@ -334,13 +340,15 @@ def summarize(
             else:
                 per[w]["rps_vs_sglang_rr"] = None
     kv = out.get("kvroute", {})
-    # The transport's share, measured in the same run: GenerateMany over Generate.
-    one_call = out.get("kvroute_generate", {})
-    mux_vs_generate = {
-        w: round(kv[w]["cpu_ms_per_request"] / one_call[w]["cpu_ms_per_request"], 3)
-        for w in workloads
-        if w in kv and w in one_call and one_call[w]["cpu_ms_per_request"]
-    }
+
+    def cpu_ratio(other: dict[str, Any]) -> dict[str, float]:
+        """kvroute's CPU per request over ``other``'s, per workload of this run."""
+        return {
+            w: round(kv[w]["cpu_ms_per_request"] / other[w]["cpu_ms_per_request"], 3)
+            for w in workloads
+            if w in kv and w in other and other[w]["cpu_ms_per_request"]
+        }
+
     targets = {
         "chat_small_cpu_ms_per_request <= 0.5": kv.get("chat_small", {}).get("cpu_ms_per_request"),
         "chat_6k_repeat_cpu_ms_per_request <= 1.0": kv.get("chat_6k_repeat", {}).get(
@@ -361,7 +369,10 @@ def summarize(
         "benchmark": "router overhead on instant fake workers (no inference)",
         "routers": out,
         "skipped": skipped,
-        "kvroute_cpu_vs_generate": mux_vs_generate,
+        # The transport's share, measured in the same run: the frames port over the gRPC
+        # stream, and over one Generate call per request.
+        "kvroute_cpu_vs_grpc": cpu_ratio(out.get("kvroute_grpc", {})),
+        "kvroute_cpu_vs_generate": cpu_ratio(out.get("kvroute_generate", {})),
         "direct_p50_ms_c1": {w: round(v, 3) for w, v in direct.items()},
         "targets_met": met,
         "target_met": all(met.values()),

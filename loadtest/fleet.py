@@ -96,6 +96,9 @@ class FleetConfig:
     echo_logs: bool = False  # stream every child's log to stderr, prefixed with its name
     host: str = "127.0.0.1"  # what workers and the gateway bind
     startup_timeout: float = 180.0
+    # Workers also serve the gateway's stream on a frames port (contract.frames), which
+    # the gateway then uses; never with TLS or a token among ``worker_args``.
+    worker_frames: bool = True
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -244,6 +247,9 @@ class Fleet:
             str(cfg.heartbeat_ttl),
             *cfg.worker_args,
         ]
+        secured = any(a.startswith(("--tls-cert", "--grpc-token-file")) for a in cfg.worker_args)
+        if cfg.worker_frames and not secured:
+            args += ["--frames-port", str(free_port())]
         proc = self._spawn(worker_id, args, self.worker_env())
         return WorkerProcess(worker_id, grpc_port, http_port, proc)
 

@@ -36,6 +36,7 @@ from contract.hashing import HashSpec
 from contract.redis_layout import WorkerRecord
 from loadtest.fleet import free_port
 from loadtest.scale_redis import FakeEngine
+from worker.serve.frames_server import FramesServer
 from worker.serve.grpc_mux import GenerateManyMixin
 
 MODEL = "bench"
@@ -147,14 +148,16 @@ async def serve_instant_workers(
     urls, pubs = [], []
     for i in range(workers):
         server = grpc.aio.server()
-        worker_pb2_grpc.add_WorkerServicer_to_server(
-            _InstantGrpc(f"fake-{i}", stream_interval), server
-        )
+        servicer = _InstantGrpc(f"fake-{i}", stream_interval)
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
+        # The same stream on a frames port, as a worker started with --frames-port.
+        frames_port = await FramesServer(servicer).start("127.0.0.1", 0)
         record = WorkerRecord(
             worker_id=f"fake-{i}",
             address=f"127.0.0.1:{port}",
+            frames_address=f"127.0.0.1:{frames_port}",
             model=MODEL,
             hash_spec=spec.describe(),
             block_size=16,

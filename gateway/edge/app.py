@@ -207,6 +207,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
             drain_s=config.request_timeout_s,
             token=config.grpc_token,
             mux=config.grpc_mux,
+            frames=config.worker_frames,
         ),
         "openai-http": OpenAIHTTPUpstream(),
     }

@@ -269,7 +269,13 @@ class Dispatcher:
             interval = stream_interval(self.stream_interval, self.open_streams)
             generation = job.for_worker(entry.record.max_model_len, attempt, interval)
             upstream = self.upstreams[getattr(entry.record, "transport", "") or DEFAULT_TRANSPORT]
-            call = upstream.start(wid, entry.record.address, generation, max(0.001, deadline - now))
+            call = upstream.start(
+                wid,
+                entry.record.address,
+                generation,
+                max(0.001, deadline - now),
+                frames_address=entry.record.frames_address,
+            )
             if on_sent is not None:
                 on_sent()
                 on_sent = None

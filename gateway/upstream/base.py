@@ -80,7 +80,13 @@ class Upstream(Protocol):
     """Starts generations on the workers of one transport."""
 
     def start(
-        self, worker_id: str, address: str, generation: Generation, timeout_s: float
+        self,
+        worker_id: str,
+        address: str,
+        generation: Generation,
+        timeout_s: float,
+        *,
+        frames_address: str = "",
     ) -> UpstreamCall: ...
 
     def forget(self, worker_id: str) -> None: ...

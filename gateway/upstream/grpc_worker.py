@@ -7,7 +7,10 @@ A channel is created on first use and replaced when the worker's address
 changes. When the worker leaves the registry (a drain deregisters first) the
 channel takes no new calls but stays open for the calls still streaming on it,
 up to ``drain_s`` (the request timeout): a rolling restart never cuts a
-stream. gRPC statuses map to ``UpstreamError``s here, and so does a call that
+stream. A worker that advertises a frames port (``frames_address``) gets
+its stream there instead, without HTTP/2 (``gateway.upstream.frames_call``),
+unless this gateway talks TLS or sends a token to its workers (the frames
+port has neither). gRPC statuses map to ``UpstreamError``s here, and so does a call that
 ends in ``CancelledError`` although nobody cancelled the reading task (grpc
 raises that when a channel closes under a call), so nothing above this module
 imports grpc and no stream ends without an error event. With a shared token
@@ -19,12 +22,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from contract import worker_pb2, worker_pb2_grpc
 from contract.grpc_auth import METADATA_KEY, bearer
 from gateway.upstream.base import Chunk, Generation, UpstreamCall, UpstreamError
+from gateway.upstream.frames_call import FramedStream
 from gateway.upstream.grpc_mux import MuxCall, MuxStream
 from openai_api.errors import APIError
 from openai_api.logprobs import TokenLogprobs
@@ -174,6 +179,7 @@ class _Worker:
     address: str
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.WorkerStub
+    frames_address: str = ""  # its stream goes here when set (never with TLS or a token)
     mux: MuxStream | None = None
 
 
@@ -193,9 +199,12 @@ class GrpcUpstream:
         drain_s: float = 600.0,
         token: str = "",
         mux: bool = True,
+        frames: bool = True,
     ) -> None:
         self.drain_s = drain_s  # how long a forgotten channel stays open for its calls
         self.mux = mux
+        # The frames port has no TLS and no token: a gateway that uses either keeps gRPC.
+        self.frames = frames and mux and not tls_ca and not token
         # Call metadata rather than call credentials: those need TLS, the token does not.
         self._metadata = ((METADATA_KEY, bearer(token)),) if token else None
         # With a CA bundle every worker channel is TLS, verified against it.
@@ -203,10 +212,15 @@ class GrpcUpstream:
         self._workers: dict[str, _Worker] = {}
         self._closing: dict[asyncio.Task[None], grpc.aio.Channel] = {}
 
-    def worker(self, worker_id: str, address: str) -> _Worker:
+    def worker(self, worker_id: str, address: str, frames_address: str = "") -> _Worker:
         """The channel to ``worker_id`` at ``address`` (a new one if the address moved)."""
+        if not self.frames:
+            frames_address = ""
         entry = self._workers.get(worker_id)
-        if entry is not None and entry.address == address:
+        if entry is not None and (entry.address, entry.frames_address) == (
+            address,
+            frames_address,
+        ):
             return entry
         if entry is not None:
             self._close_later(entry)
@@ -214,7 +228,7 @@ class GrpcUpstream:
             channel = grpc.aio.secure_channel(address, self._credentials, options=_CHANNEL_OPTIONS)
         else:
             channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        entry = _Worker(address, channel, worker_pb2_grpc.WorkerStub(channel))
+        entry = _Worker(address, channel, worker_pb2_grpc.WorkerStub(channel), frames_address)
         self._workers[worker_id] = entry
         return entry
 
@@ -223,10 +237,16 @@ class GrpcUpstream:
         return self.worker(worker_id, address).stub
 
     def start(
-        self, worker_id: str, address: str, generation: Generation, timeout_s: float
+        self,
+        worker_id: str,
+        address: str,
+        generation: Generation,
+        timeout_s: float,
+        *,
+        frames_address: str = "",
     ) -> UpstreamCall:
         """Starts the generation on the worker; the first ``read`` waits for its first tokens."""
-        entry = self.worker(worker_id, address)
+        entry = self.worker(worker_id, address, frames_address)
         request = _request(generation)
         if not self.mux:
             return self._generate(entry.stub, request, timeout_s)
@@ -252,8 +272,13 @@ class GrpcUpstream:
             for call in waiting:
                 call.become(self._generate(entry.stub, call.request, call.timeout_s))
 
+        def open_stream() -> Any:
+            if entry.frames_address:
+                return FramedStream(entry.frames_address)
+            return entry.stub.GenerateMany(metadata=self._metadata)
+
         return MuxStream(
-            lambda: entry.stub.GenerateMany(metadata=self._metadata),
+            open_stream,
             status_error=status_error,
             to_chunk=to_chunk,
             on_unimplemented=fall_back,

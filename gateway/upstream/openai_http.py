@@ -234,9 +234,18 @@ class OpenAIHTTPUpstream:
         return self._session
 
     def start(
-        self, worker_id: str, address: str, generation: Generation, timeout_s: float
+        self,
+        worker_id: str,
+        address: str,
+        generation: Generation,
+        timeout_s: float,
+        *,
+        frames_address: str = "",
     ) -> _HttpCall:
-        """A call to ``address`` (the worker's base URL; ``host:port`` means http)."""
+        """A call to ``address`` (the worker's base URL; ``host:port`` means http).
+
+        ``frames_address`` is a kvroute worker's; an OpenAI HTTP worker has none.
+        """
         base = address if "://" in address else f"http://{address}"
         return _HttpCall(
             self, f"{base.rstrip('/')}/v1/completions", completion_body(generation), timeout_s

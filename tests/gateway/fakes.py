@@ -1,7 +1,8 @@
 """Test doubles for the gateway's unit and HTTP tests.
 
 ``FakeWorker`` is a real gRPC server (port 0) implementing the contract's
-``WorkerServicer`` with scripted replies; ``FakeRegistration`` writes a
+``WorkerServicer`` with scripted replies (and, with ``frames=True``, the same
+``GenerateMany`` on a real frames port, ``worker.serve.frames_server``); ``FakeRegistration`` writes a
 worker's Redis keys exactly as ``contract/redis_layout.py`` documents
 (registry hash with TTL, directory set, block set, event stream).
 """
@@ -28,6 +29,7 @@ from contract.events import (
 )
 from contract.hashing import HashSpec
 from contract.redis_layout import EVENT_FIELD, BlockSetWriter, RedisLayout, WorkerRecord
+from worker.serve.frames_server import FramesServer
 from worker.serve.grpc_mux import GenerateManyMixin
 
 
@@ -56,22 +58,34 @@ class FakeWorker(GenerateManyMixin, worker_pb2_grpc.WorkerServicer):
         self.completed = 0
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self.frames: FramesServer | None = None
+        self.frames_port = 0
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    async def start(self) -> FakeWorker:
+    @property
+    def frames_address(self) -> str:
+        return f"127.0.0.1:{self.frames_port}" if self.frames_port else ""
+
+    async def start(self, *, frames: bool = False) -> FakeWorker:
         self.server = grpc.aio.server()
         worker_pb2_grpc.add_WorkerServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")
         await self.server.start()
+        if frames:
+            self.frames = FramesServer(self)
+            self.frames_port = await self.frames.start("127.0.0.1", self.frames_port)
         return self
 
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop(grace=None)
             self.server = None
+        if self.frames is not None:
+            await self.frames.stop(0)
+            self.frames = None
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext

@@ -38,16 +38,20 @@ class Pair:
 
 
 @contextmanager
-def serve_pair(model: Path, redis_url: str, logs: Path) -> Iterator[Pair]:
-    """A worker (256 blocks) and a gateway on ``model``; both stopped on exit."""
+def serve_pair(model: Path, redis_url: str, logs: Path, *, frames: bool = False) -> Iterator[Pair]:
+    """A worker (256 blocks) and a gateway on ``model``; both stopped on exit.
+
+    With ``frames`` the worker also serves a frames port, which the gateway then uses.
+    """
     ns = namespace()
     grpc_port, http_port, gw_port = free_port(), free_port(), free_port()
+    frames_args = ["--frames-port", str(free_port())] if frames else []
     common = ["--model", str(model), "--redis-url", redis_url, "--redis-namespace", ns]
     worker = _spawn(
         "w0",
         ["worker", *common, "--worker-id", "w0", "--grpc-port", str(grpc_port),
          "--http-port", str(http_port), "--num-blocks", "256", "--heartbeat-interval", "0.3",
-         "--heartbeat-ttl", "1.5", "--log-level", "WARNING"],
+         "--heartbeat-ttl", "1.5", "--log-level", "WARNING", *frames_args],
         logs,
         grpc_port,
     )  # fmt: skip

@@ -3,7 +3,9 @@
 Every request to a worker rides its one stream, each call reads exactly the
 chunks and errors a ``Generate`` call would; a deadline, a cancel, a lost
 worker and a worker without the RPC all behave as they do with one call per
-request; a retired worker's stream closes once its calls ended.
+request; a retired worker's stream closes once its calls ended. The tests
+that take ``transport`` run twice: the stream on gRPC, and on the worker's
+frames port (``contract.frames``), which must behave identically.
 """
 
 from __future__ import annotations
@@ -23,6 +25,24 @@ from tests.gateway.fakes import FakeWorker
 from tests.gateway.helpers import eventually
 
 pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture(params=["grpc", "frames"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _start(
+    upstream: GrpcUpstream, worker: FakeWorker, generation: Generation, timeout_s: float
+) -> UpstreamCall:
+    """A call to ``worker`` on whichever stream it offers (its frames port when it has one)."""
+    return upstream.start(
+        worker.worker_id,
+        worker.address,
+        generation,
+        timeout_s,
+        frames_address=worker.frames_address,
+    )
 
 
 def _generation(prompt: Sequence[int], request_id: str = "r") -> Generation:
@@ -80,12 +100,14 @@ class GenerateOnly(worker_pb2_grpc.WorkerServicer):
         )
 
 
-async def test_concurrent_requests_share_one_stream_and_get_their_own_replies() -> None:
-    worker = await EchoWorker("w1").start()
+async def test_concurrent_requests_share_one_stream_and_get_their_own_replies(
+    transport: str,
+) -> None:
+    worker = await EchoWorker("w1").start(frames=transport == "frames")
     upstream = GrpcUpstream()
     try:
         calls = [
-            upstream.start("w1", worker.address, _generation([i, i + 1, i + 2], f"r{i}"), 10)
+            _start(upstream, worker, _generation([i, i + 1, i + 2], f"r{i}"), 10)
             for i in range(0, 90, 3)
         ]
         results = await asyncio.gather(*(_read_all(c) for c in calls))
@@ -94,16 +116,20 @@ async def test_concurrent_requests_share_one_stream_and_get_their_own_replies() 
             assert chunks[-1].finished and chunks[-1].finish_reason == "stop"
         assert worker.streams_opened == 1 and worker.generate_calls == 30
         assert worker.completed == 30
+        if transport == "frames":  # and that one stream was the frames connection
+            assert worker.frames is not None and worker.frames.connections == 1
     finally:
         await upstream.close()
         await worker.stop()
 
 
-async def test_a_worker_status_is_the_same_upstream_error_as_with_generate() -> None:
-    worker = await FakeWorker("w1", fail=grpc.StatusCode.INVALID_ARGUMENT).start()
+async def test_a_worker_status_is_the_same_upstream_error_as_with_generate(transport: str) -> None:
+    worker = await FakeWorker("w1", fail=grpc.StatusCode.INVALID_ARGUMENT).start(
+        frames=transport == "frames"
+    )
     upstream = GrpcUpstream()
     try:
-        call = upstream.start("w1", worker.address, _generation([1, 2]), 10)
+        call = _start(upstream, worker, _generation([1, 2]), 10)
         with pytest.raises(UpstreamError) as err:
             await call.read()
         assert not err.value.retryable
@@ -114,11 +140,11 @@ async def test_a_worker_status_is_the_same_upstream_error_as_with_generate() -> 
         await worker.stop()
 
 
-async def test_the_deadline_fails_the_call_and_aborts_it_on_the_worker() -> None:
-    worker = await FakeWorker("w1", [5, 6, 7], delay_s=5.0).start()
+async def test_the_deadline_fails_the_call_and_aborts_it_on_the_worker(transport: str) -> None:
+    worker = await FakeWorker("w1", [5, 6, 7], delay_s=5.0).start(frames=transport == "frames")
     upstream = GrpcUpstream()
     try:
-        call = upstream.start("w1", worker.address, _generation([1]), 0.2)
+        call = _start(upstream, worker, _generation([1]), 0.2)
         with pytest.raises(UpstreamError) as err:
             await call.read()
         assert err.value.api_error.status == 504
@@ -129,11 +155,13 @@ async def test_the_deadline_fails_the_call_and_aborts_it_on_the_worker() -> None
         await worker.stop()
 
 
-async def test_cancel_aborts_the_call_on_the_worker_and_the_stream_goes_on() -> None:
-    worker = await FakeWorker("w1", list(range(100, 140)), delay_s=0.05).start()
+async def test_cancel_aborts_the_call_on_the_worker_and_the_stream_goes_on(transport: str) -> None:
+    worker = await FakeWorker("w1", list(range(100, 140)), delay_s=0.05).start(
+        frames=transport == "frames"
+    )
     upstream = GrpcUpstream()
     try:
-        call = upstream.start("w1", worker.address, _generation([1]), 10)
+        call = _start(upstream, worker, _generation([1]), 10)
         first = await call.read()
         assert first is not None and list(first.token_ids) == [100]
         call.cancel()
@@ -141,37 +169,33 @@ async def test_cancel_aborts_the_call_on_the_worker_and_the_stream_goes_on() -> 
             await call.read()
         await eventually(lambda: worker.cancelled == 1, what="the worker's call cancelled")
         worker.delay_s = 0.0
-        again = await _read_all(upstream.start("w1", worker.address, _generation([2]), 10))
+        again = await _read_all(_start(upstream, worker, _generation([2]), 10))
         assert len(again) == 40 and worker.completed == 1
     finally:
         await upstream.close()
         await worker.stop()
 
 
-async def test_a_lost_worker_fails_its_calls_retryably_and_a_new_stream_opens() -> None:
-    worker = await EchoWorker("w1", delay_s=0.5).start()
-    port = worker.port
+async def test_a_lost_worker_fails_its_calls_retryably_and_a_new_stream_opens(
+    transport: str,
+) -> None:
+    worker = await EchoWorker("w1", delay_s=0.5).start(frames=transport == "frames")
     upstream = GrpcUpstream()
     try:
-        call = upstream.start("w1", worker.address, _generation([1, 2, 3]), 10)
+        call = _start(upstream, worker, _generation([1, 2, 3]), 10)
         await eventually(lambda: worker.streams == 1, what="the stream open on the worker")
         await worker.stop()
         with pytest.raises(UpstreamError) as err:
             await _read_all(call)
         assert err.value.retryable
-        # The same address comes back: the next request opens a new stream there.
-        server = grpc.aio.server()
-        worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        worker.server, worker.delay_s = server, 0.0
+        # The same addresses come back: the next request opens a new stream there.
+        worker.delay_s = 0.0
+        await worker.start(frames=transport == "frames")
 
         served: list[Chunk] = []
         for _ in range(50):  # the channel may still be backing off from the lost connection
             try:
-                served = await _read_all(
-                    upstream.start("w1", f"127.0.0.1:{port}", _generation([4]), 2)
-                )
+                served = await _read_all(_start(upstream, worker, _generation([4]), 2))
                 break
             except UpstreamError:
                 await asyncio.sleep(0.2)
@@ -214,11 +238,11 @@ async def test_without_mux_every_request_is_its_own_generate_call() -> None:
         await worker.stop()
 
 
-async def test_a_forgotten_worker_finishes_its_calls_then_its_stream_closes() -> None:
-    worker = await EchoWorker("w1", delay_s=0.1).start()
+async def test_a_forgotten_worker_finishes_its_calls_then_its_stream_closes(transport: str) -> None:
+    worker = await EchoWorker("w1", delay_s=0.1).start(frames=transport == "frames")
     upstream = GrpcUpstream(drain_s=10)
     try:
-        call = upstream.start("w1", worker.address, _generation([1, 2, 3, 4, 5]), 10)
+        call = _start(upstream, worker, _generation([1, 2, 3, 4, 5]), 10)
         await eventually(lambda: worker.streams == 1, what="the stream open on the worker")
         upstream.forget("w1")
         chunks = await _read_all(call)
@@ -230,11 +254,11 @@ async def test_a_forgotten_worker_finishes_its_calls_then_its_stream_closes() ->
         await worker.stop()
 
 
-async def test_closing_the_upstream_fails_the_calls_waiting_on_it_at_once() -> None:
-    worker = await FakeWorker("w1", [5, 6], delay_s=5.0).start()
+async def test_closing_the_upstream_fails_the_calls_waiting_on_it_at_once(transport: str) -> None:
+    worker = await FakeWorker("w1", [5, 6], delay_s=5.0).start(frames=transport == "frames")
     upstream = GrpcUpstream()
     try:
-        call = upstream.start("w1", worker.address, _generation([1]), 60)
+        call = _start(upstream, worker, _generation([1]), 60)
         reading = asyncio.ensure_future(call.read())
         await eventually(lambda: worker.requests, what="the call on the worker")
         await upstream.close()
@@ -242,4 +266,35 @@ async def test_closing_the_upstream_fails_the_calls_waiting_on_it_at_once() -> N
             await asyncio.wait_for(reading, 2)  # not the 60 s deadline
         assert err.value.retryable
     finally:
+        await worker.stop()
+
+
+async def test_a_frames_port_nobody_listens_on_fails_retryably() -> None:
+    worker = await EchoWorker("w1").start(frames=True)
+    dead_port = worker.frames_port
+    await worker.stop()
+    upstream = GrpcUpstream()
+    try:
+        call = upstream.start(
+            "w1", "127.0.0.1:1", _generation([1]), 10, frames_address=f"127.0.0.1:{dead_port}"
+        )
+        with pytest.raises(UpstreamError) as err:
+            await call.read()
+        assert err.value.retryable and "frames connection" in err.value.message
+    finally:
+        await upstream.close()
+
+
+@pytest.mark.parametrize("secured", [{"token": "s3cret"}, {"frames": False}])
+async def test_a_gateway_with_a_token_or_frames_off_keeps_grpc(secured: dict[str, object]) -> None:
+    # The frames port checks no token: a gateway that sends one never uses it.
+    worker = await EchoWorker("w1").start(frames=True)
+    upstream = GrpcUpstream(**secured)  # type: ignore[arg-type]
+    try:
+        chunks = await _read_all(_start(upstream, worker, _generation([7, 8]), 10))
+        assert [t for c in chunks for t in c.token_ids] == [7, 8]
+        assert worker.streams_opened == 1  # the gRPC stream: the servicer counts both kinds
+        assert worker.frames is not None and worker.frames.connections == 0
+    finally:
+        await upstream.close()
         await worker.stop()

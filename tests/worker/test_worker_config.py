@@ -53,6 +53,8 @@ def test_alias_and_gguf_names() -> None:
         (["--pin-system-prompt", "/nope.txt"], "--pin-system-prompt"),
         (["--block-size", "0"], "--block-size"),
         (["--stream-interval", "0"], "--stream-interval"),
+        (["--frames-port", "70000"], "--frames-port"),
+        (["--frames-port", "50051"], "--frames-port"),  # the gRPC port's default
     ],
 )
 def test_bad_values_name_the_flag(argv: list[str], flag: str) -> None:
@@ -103,3 +105,32 @@ def test_grpc_token_is_read_once_stripped_and_kept_out_of_repr(tmp_path: Path) -
     assert cfg.grpc_token == "tok-0123456789abcdef"
     assert "tok-0123456789abcdef" not in repr(cfg)
     assert config_from_args(["--model", "m"], {}).grpc_token == ""
+
+
+def test_the_frames_port_is_refused_beside_a_token_or_tls(tmp_path: Path) -> None:
+    # The frames port checks neither: a secured worker must not open it.
+    token = tmp_path / "token"
+    token.write_text("tok-0123456789abcdef\n")
+    with pytest.raises(ValueError, match=r"--frames-port.*neither TLS nor a token"):
+        config_from_args(
+            ["--model", "m", "--frames-port", "50061", "--grpc-token-file", str(token)], {}
+        )
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("x")
+    key.write_text("x")
+    with pytest.raises(ValueError, match="--frames-port"):
+        config_from_args(
+            [
+                "--model",
+                "m",
+                "--frames-port",
+                "50061",
+                "--tls-cert",
+                str(cert),
+                "--tls-key",
+                str(key),
+            ],
+            {},
+        )
+    assert config_from_args(["--model", "m", "--frames-port", "50061"], {}).frames_port == 50061
+    assert config_from_args(["--model", "m"], {}).frames_port == 0  # off unless asked for

@@ -60,6 +60,7 @@ class WorkerProcess:
         self.http_runner: Any = None
         self.grpc_port = 0
         self.http_port = 0
+        self.frames_server: Any = None
 
     async def start(self) -> None:
         """Loads the model and starts every component; raises if a port cannot be bound."""
@@ -170,6 +171,15 @@ class WorkerProcess:
             tls_key=cfg.tls_key,
             token=cfg.grpc_token,
         )
+        frames_address = ""
+        if cfg.frames_port:
+            from worker.serve.frames_server import FramesServer
+
+            self.frames_server = FramesServer(
+                service, metrics.frames_connections.labels(cfg.worker_id).inc
+            )
+            bound = await self.frames_server.start(cfg.host, cfg.frames_port)
+            frames_address = _host_port(cfg.advertised_host, bound)
         http_address = ""
         if cfg.http_port:
             from worker.serve.http_server import create_app, start_http_server
@@ -189,17 +199,20 @@ class WorkerProcess:
             )
             http_address = _host_port(cfg.advertised_host, self.http_port)
         self.publisher.update_record(
-            address=_host_port(cfg.advertised_host, self.grpc_port), http_address=http_address
+            address=_host_port(cfg.advertised_host, self.grpc_port),
+            http_address=http_address,
+            frames_address=frames_address,
         )
         await self.publisher.start()
         logger.info(
-            "worker %s serving %s (%d blocks of %d tokens): grpc_port=%d http_port=%d%s",
+            "worker %s serving %s (%d blocks of %d tokens): grpc_port=%d http_port=%d frames=%s%s",
             cfg.worker_id,
             cfg.served_model_name,
             self.engine.num_blocks,
             cfg.block_size,
             self.grpc_port,
             self.http_port,
+            frames_address or "off",
             " (token required)" if cfg.grpc_token else "",
         )
 
@@ -222,6 +235,8 @@ class WorkerProcess:
             self.grpc_service.draining = True
         if self.grpc_server is not None:
             drains.append(self.grpc_server.stop(self.config.drain_grace_s))
+        if self.frames_server is not None:
+            drains.append(self.frames_server.stop(self.config.drain_grace_s))
         if self.http_runner is not None:
             drains.append(self.http_runner.cleanup())
         if drains:

@@ -50,6 +50,7 @@ class WorkerConfig:
     advertise_host: str = ""
     grpc_port: int = 50051
     http_port: int = 8001  # 0 = no HTTP front; not 8000, the gateway's default
+    frames_port: int = 0  # 0 = off; else GenerateMany on plain TCP here (contract.frames)
     block_size: int = 16
     num_blocks: int | None = None  # None = size the pool from --memory-fraction
     memory_fraction: float | None = None
@@ -92,9 +93,21 @@ class WorkerConfig:
                 f"--redis-url {self.redis_url!r}: must start with redis://, rediss:// or unix://"
             )
         RedisLayout(self.redis_namespace)  # raises naming --redis-namespace
-        for flag, port in (("--grpc-port", self.grpc_port), ("--http-port", self.http_port)):
+        ports = (
+            ("--grpc-port", self.grpc_port),
+            ("--http-port", self.http_port),
+            ("--frames-port", self.frames_port),
+        )
+        for flag, port in ports:
             if not 0 <= port <= 65535:
                 raise ValueError(f"{flag} {port}: must be in 0..65535")
+        if self.frames_port and self.frames_port in (self.grpc_port, self.http_port):
+            raise ValueError(f"--frames-port {self.frames_port}: already the gRPC or HTTP port")
+        if self.frames_port and (self.tls_cert is not None or self.grpc_token):
+            raise ValueError(
+                "--frames-port: the frames stream has neither TLS nor a token check; with "
+                "--tls-cert or --grpc-token-file gateways reach this worker over gRPC only"
+            )
         _positive("--block-size", self.block_size)
         if self.num_blocks is not None:
             _positive("--num-blocks", self.num_blocks)
@@ -205,6 +218,12 @@ _FLAGS: dict[str, tuple[str, Callable[[str], object], str]] = {
     ),
     "--grpc-port": ("grpc_port", int, "gRPC port (0 = any free port)"),
     "--http-port": ("http_port", int, "OpenAI-compatible HTTP port (0 = off)"),
+    "--frames-port": (
+        "frames_port",
+        int,
+        "also serve gateways' request stream as length-prefixed protobuf on plain TCP here, "
+        "~8x cheaper for a gateway than gRPC (0 = off; not with TLS or a token)",
+    ),
     "--block-size": ("block_size", int, "tokens per KV block (must match the gateways)"),
     "--num-blocks": ("num_blocks", int, "KV blocks in the pool (default: from memory)"),
     "--memory-fraction": ("memory_fraction", float, "share of device memory for the KV cache"),

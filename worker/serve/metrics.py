@@ -227,7 +227,14 @@ class WorkerMetrics:
             buckets=_E2E_BUCKETS,
             registry=self.registry,
         )
+        self.frames_connections = Counter(
+            "kvroute_worker_frames_connections",
+            "Gateway connections accepted on the frames port (--frames-port).",
+            labels,
+            registry=self.registry,
+        )
         # Children exist from the start, so every series is visible at zero.
+        self.frames_connections.labels(worker_id)
         for reason in FINISH_REASONS:
             self.requests.labels(worker_id, reason)
         self._ttft = self.ttft.labels(worker_id)

@@ -1,0 +1,86 @@
+"""A worker's ``GenerateMany`` stream on its frames port, shaped like the gRPC call.
+
+``gateway.upstream.grpc_mux.MuxStream`` drives a ``grpc.aio`` stream-stream
+call: ``write``, ``read`` (``grpc.aio.EOF`` at the end), ``done_writing`` and
+``cancel``, failures raised as ``grpc.aio.AioRpcError``. ``FramedStream`` is
+the same four methods over ``contract.frames`` on one TCP connection, so the
+mux, its calls, deadlines, retries and draining stay exactly as they are. A
+connection that cannot be made, or that drops, is the ``UNAVAILABLE`` a gRPC
+channel to a dead worker gives: calls before their first token are retried on
+another worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from contract import frames
+from contract import worker_pb2 as pb
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+def _unavailable(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details
+    )
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` -> (host, port); ``ValueError`` if it is neither."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"not host:port: {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class FramedStream:
+    """One connection to ``address`` carrying a ``GenerateMany`` stream; connects at once."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._connecting = asyncio.ensure_future(self._connect())
+
+    async def _connect(self) -> frames.FramedConnection[pb.ReplyFrames]:
+        host, port = split_address(self.address)
+        loop = asyncio.get_running_loop()
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(
+                lambda: frames.FramedConnection(pb.ReplyFrames.FromString), host, port
+            ),
+            CONNECT_TIMEOUT_S,
+        )
+        return conn
+
+    async def _conn(self) -> frames.FramedConnection[pb.ReplyFrames]:
+        try:
+            return await asyncio.shield(self._connecting)
+        except (OSError, TimeoutError, ValueError) as exc:
+            raise _unavailable(f"frames connection to {self.address} failed: {exc}") from exc
+
+    async def write(self, message: Any) -> None:
+        conn = await self._conn()
+        try:
+            await conn.write(message)
+        except ConnectionError as exc:
+            raise _unavailable(f"frames connection to {self.address} lost: {exc}") from exc
+
+    async def read(self) -> Any:
+        conn = await self._conn()
+        try:
+            message = await conn.read()
+        except ConnectionError as exc:
+            raise _unavailable(f"frames connection to {self.address} lost: {exc}") from exc
+        return grpc.aio.EOF if message is frames.EOF else message
+
+    async def done_writing(self) -> None:
+        (await self._conn()).done_writing()
+
+    def cancel(self) -> None:
+        if not self._connecting.done():
+            self._connecting.cancel()
+        elif not self._connecting.cancelled() and self._connecting.exception() is None:
+            self._connecting.result().close()
