@@ -113,3 +113,17 @@ def test_redis_acl_rules_per_role(tmp_path: Path) -> None:
     # Its one write: XADD, to the replicas' routes stream only.
     assert "+xadd" in gateway
     assert [r for r in gateway if "~" in r] == ["%R~fleet-b:*", "~fleet-b:routes"]
+
+
+def test_the_frames_port_opens_only_without_the_grpc_token() -> None:
+    # It checks no token: with grpcAuth (the default) gateways stay on gRPC.
+    def worker(values: dict[str, Any]) -> tuple[list[str], list[str]]:
+        (container,) = _pod(manifests(values), "StatefulSet", "worker")["containers"]
+        return container["args"], [p["name"] for p in container["ports"]]
+
+    args, ports = worker({})
+    assert not any(a.startswith("--frames-port") for a in args) and "frames" not in ports
+    args, ports = worker({"grpcAuth": {"enabled": False}})
+    assert "--frames-port=50052" in args and "frames" in ports
+    args, ports = worker({"grpcAuth": {"enabled": False}, "worker": {"framesPort": 0}})
+    assert not any(a.startswith("--frames-port") for a in args) and "frames" not in ports
