@@ -13,6 +13,7 @@ another worker.
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import grpc
@@ -21,6 +22,14 @@ from contract import frames
 from contract import worker_pb2 as pb
 
 CONNECT_TIMEOUT_S = 5.0
+# A worker whose host vanished sends no reset: TCP keepalive finds it as gRPC's pings
+# would (idle 30 s, then 3 probes 10 s apart), so its stream fails instead of hanging.
+_KEEPALIVE = (
+    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+    (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPIDLE", 0), 30),
+    (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPINTVL", 0), 10),
+    (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPCNT", 0), 3),
+)
 
 
 def _unavailable(details: str) -> grpc.aio.AioRpcError:
@@ -53,6 +62,11 @@ class FramedStream:
             ),
             CONNECT_TIMEOUT_S,
         )
+        sock = conn.transport.get_extra_info("socket") if conn.transport else None
+        if sock is not None:
+            for level, option, value in _KEEPALIVE:
+                if option:  # an option this platform lacks is left at its default
+                    sock.setsockopt(level, option, value)
         return conn
 
     async def _conn(self) -> frames.FramedConnection[pb.ReplyFrames]:

@@ -11,6 +11,7 @@ frames port (``contract.frames``), which must behave identically.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -118,6 +119,12 @@ async def test_concurrent_requests_share_one_stream_and_get_their_own_replies(
         assert worker.completed == 30
         if transport == "frames":  # and that one stream was the frames connection
             assert worker.frames is not None and worker.frames.connections == 1
+            # with TCP keepalive on, so a vanished worker host fails it instead of hanging
+            stream = upstream.worker("w1", worker.address, worker.frames_address).mux
+            assert stream is not None
+            conn = await stream._call._conn()
+            sock = conn.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
     finally:
         await upstream.close()
         await worker.stop()
