@@ -15,8 +15,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.text.prompt_prefix import ANCHOR_CHARS, PromptPrefixCache, anchor_keys, is_cut
-from gateway.text.tokenizer import ChatTokenizer
+from gateway.text.prompt_prefix import (
+    ANCHOR_CHARS,
+    PromptPrefixCache,
+    anchor_keys,
+    is_cut,
+    is_word_start,
+    split_at_word_starts,
+)
+from gateway.text.tokenizer import PARALLEL_MIN_CHARS, ChatTokenizer
 from tests.models import qwen3_tokenizer_dir
 
 
@@ -174,6 +181,38 @@ def test_lru_evicts_whole_prompts_and_their_anchors() -> None:
     assert plan.prefix_ids == list(range(len(texts[2][: plan.cut].split(" "))))
 
 
+@settings(max_examples=200, deadline=None)
+@given(text=_TEXT, parts=st.integers(1, 8))
+def test_split_at_word_starts_gives_back_the_text_in_pieces_that_start_at_words(
+    text: str, parts: int
+) -> None:
+    pieces = split_at_word_starts(text, parts)
+    assert "".join(pieces) == text and 1 <= len(pieces) <= parts
+    start = 0
+    for piece in pieces:
+        assert piece  # no empty piece
+        assert start == 0 or is_word_start(text, start)
+        start += len(piece)
+    assert split_at_word_starts("x" * 100, 4) == ["x" * 100]  # nowhere to cut: one piece
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(chunks=st.lists(_TEXT, min_size=4, max_size=8))
+def test_long_texts_encoded_in_parallel_pieces_get_the_whole_texts_ids(
+    tok: ChatTokenizer, chunks: list[str]
+) -> None:
+    # Long enough for one piece per core (the pieces are encoded at once).
+    text = "".join(chunks)
+    while len(text) < 2 * PARALLEL_MIN_CHARS:
+        text += text
+    assert tok.splits_at_word_starts
+    whole = tok.encode_text(text)
+    assert tok._encode_releasing_gil(text) == whole
+    assert asyncio.run(tok.aencode_rendered(text)).ids == whole
+
+
 def test_a_tokenizer_that_does_not_split_at_word_cuts_gets_no_prompt_cache(
     tmp_path: Path, smollm2: Path
 ) -> None:
@@ -188,3 +227,21 @@ def test_a_tokenizer_that_does_not_split_at_word_cuts_gets_no_prompt_cache(
     PreTrainedTokenizerFast(tokenizer_object=raw).save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text((smollm2 / "config.json").read_text())
     assert ChatTokenizer(tmp_path).prompt_cache is None
+
+
+def test_a_tokenizer_whose_tokens_span_spaces_encodes_long_texts_whole(
+    tmp_path: Path, smollm2: Path
+) -> None:
+    """BPE with no pre-tokenizer merges across spaces: pieces would not join up."""
+    from tokenizers import Tokenizer, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    corpus = ["the quick brown fox jumps over the lazy dog " * 20]
+    raw.train_from_iterator(corpus, trainers.BpeTrainer(special_tokens=["<unk>"], vocab_size=120))
+    PreTrainedTokenizerFast(tokenizer_object=raw).save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text((smollm2 / "config.json").read_text())
+    tokenizer = ChatTokenizer(tmp_path)
+    assert not tokenizer.splits_at_word_starts
+    text = "the quick brown fox jumps over the lazy dog " * 800
+    assert tokenizer._encode_releasing_gil(text) == tokenizer.encode_text(text)
