@@ -28,11 +28,13 @@ remembered anchor, then tokenizes only the rest. Bounded LRU over prompts
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import xxhash
 
@@ -108,6 +110,42 @@ def split_at_word_starts(text: str, parts: int) -> list[str]:
             bounds.append(p)
     bounds.append(len(text))
     return [text[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+class JoinedSpans:
+    """Ids and ``Spans`` of a text encoded in pieces (``split_at_word_starts``), as one.
+
+    Each query goes to the piece that holds the character or token, shifted by
+    where that piece starts, so it answers exactly as that piece's own
+    ``Encoding`` does; where the pieces' ids join up to the whole text's (the
+    tokenizer's probe check), so do their character spans.
+    """
+
+    def __init__(self, pieces: Sequence[Any], texts: Sequence[str]) -> None:
+        self._pieces = list(pieces)
+        self._char_starts = list(itertools.accumulate((len(t) for t in texts), initial=0))
+        self._token_starts = list(itertools.accumulate((len(p) for p in pieces), initial=0))
+        self.ids = [i for piece in pieces for i in piece.ids]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def char_to_token(self, char_pos: int) -> int | None:
+        k = bisect.bisect_right(self._char_starts, char_pos) - 1
+        if not 0 <= k < len(self._pieces):
+            return None
+        i = self._pieces[k].char_to_token(char_pos - self._char_starts[k])
+        return None if i is None else int(i) + self._token_starts[k]
+
+    def token_to_chars(self, token_index: int) -> tuple[int, int] | None:
+        k = bisect.bisect_right(self._token_starts, token_index) - 1
+        if not 0 <= k < len(self._pieces):
+            return None
+        span = self._pieces[k].token_to_chars(token_index - self._token_starts[k])
+        if span is None:
+            return None
+        shift = self._char_starts[k]
+        return span[0] + shift, span[1] + shift
 
 
 def anchor_keys(text: str) -> list[bytes]:

@@ -33,6 +33,7 @@ import xxhash
 from gateway.text.prefix_tokens import PrefixTokenCache, Prompt
 from gateway.text.prompt_prefix import (
     ANCHOR_CHARS,
+    JoinedSpans,
     PromptPrefixCache,
     ids_before,
     is_cut,
@@ -109,6 +110,11 @@ class ChatTokenizer:
         self.prompt_cache: PromptPrefixCache | None = None
         # Long texts are encoded in pieces when ids split before every word.
         self.splits_at_word_starts = self._fast is not None and self._pieces_join_up()
+        # Whether encoding adds special tokens (a BOS): pieces of such a prompt go whole.
+        self._adds_special_tokens = self._fast is not None and (
+            self._fast.encode("a", add_special_tokens=True).ids
+            != self._fast.encode("a", add_special_tokens=False).ids
+        )
         self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         if incremental and self._fast is not None and self._splits_at_word_cuts():
             self.prompt_cache = PromptPrefixCache(
@@ -264,22 +270,26 @@ class ChatTokenizer:
             prompt.block_hashes(spec)
 
     def _encode_releasing_gil(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """``encode_text`` for an executor thread: ``encode_batch`` lets the loop run meanwhile.
-
-        A long text without special tokens to add is encoded in pieces, one per core.
-        """
-        if self._fast is None:
-            return self.encode_text(text, add_special_tokens=add_special_tokens)
-        parts = min(self._cores, len(text) // PARALLEL_MIN_CHARS)
-        if parts > 1 and self.splits_at_word_starts and not add_special_tokens:
-            texts = split_at_word_starts(text, parts)
-            pieces = self._fast.encode_batch(texts, add_special_tokens=False)
-            return [i for piece in pieces for i in piece.ids]
-        return list(self._encoding_releasing_gil(text, add_special_tokens).ids)
+        """``encode_text`` for an executor thread: ``encode_batch`` lets the loop run meanwhile."""
+        if self._fast is not None:
+            return list(self._encoding_releasing_gil(text, add_special_tokens).ids)
+        return self.encode_text(text, add_special_tokens=add_special_tokens)
 
     def _encoding_releasing_gil(self, text: str, add_special_tokens: bool) -> Any:
-        """The Rust tokenizer's ``Encoding`` through ``encode_batch``, which releases the GIL."""
+        """Ids and spans of ``text`` through ``encode_batch``, which releases the GIL.
+
+        A long text is encoded in pieces, one per core, in that one call (the pieces
+        are encoded in parallel) when ids split before words and the pieces need no
+        special tokens of their own; the result is then a ``JoinedSpans``.
+        """
         assert self._fast is not None
+        parts = min(self._cores, len(text) // PARALLEL_MIN_CHARS)
+        specials_needed = add_special_tokens and self._adds_special_tokens
+        if parts > 1 and self.splits_at_word_starts and not specials_needed:
+            texts = split_at_word_starts(text, parts)
+            if len(texts) > 1:
+                pieces = self._fast.encode_batch(texts, add_special_tokens=False)
+                return JoinedSpans(pieces, texts)
         return self._fast.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     # -- incremental set-up ---------------------------------------------------------

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from gateway.text.prompt_prefix import (
     ANCHOR_CHARS,
+    JoinedSpans,
     PromptPrefixCache,
     anchor_keys,
     is_cut,
@@ -211,6 +212,37 @@ def test_long_texts_encoded_in_parallel_pieces_get_the_whole_texts_ids(
     whole = tok.encode_text(text)
     assert tok._encode_releasing_gil(text) == whole
     assert asyncio.run(tok.aencode_rendered(text)).ids == whole
+
+
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(chunks=st.lists(_TEXT, min_size=2, max_size=6), parts=st.integers(2, 5))
+def test_joined_spans_answer_as_the_whole_texts_encoding(
+    tok: ChatTokenizer, chunks: list[str], parts: int
+) -> None:
+    assert tok._fast is not None
+    text = "".join(chunks)
+    whole = tok._fast.encode(text, add_special_tokens=False)
+    texts = split_at_word_starts(text, parts)
+    joined = JoinedSpans(tok._fast.encode_batch(texts, add_special_tokens=False), texts)
+    assert joined.ids == whole.ids and len(joined) == len(whole.ids)
+    for p in range(len(text) + 1):
+        assert joined.char_to_token(p) == whole.char_to_token(p), p
+    for i in range(len(whole.ids) + 1):
+        assert joined.token_to_chars(i) == whole.token_to_chars(i), i
+
+
+def test_long_prompts_in_pieces_get_the_full_ids_and_share_their_prefix(
+    tok: ChatTokenizer,
+) -> None:
+    rng = random.Random(7)
+    words = ["alpha", " beta", " gamma", "\n", " δέλτα", " 東京", " 42", ",", " don't", "\n\n"]
+    base = "".join(rng.choice(words) for _ in range(6000))
+    assert len(base) >= 2 * PARALLEL_MIN_CHARS
+    assert _ids(tok, base) == _full(tok, base)  # encoded in pieces, then remembered
+    sibling = base[: len(base) * 3 // 4] + " epsilon zeta" * 50
+    assert _ids(tok, sibling) == _full(tok, sibling)  # its prefix reused from the pieces
 
 
 def test_a_tokenizer_that_does_not_split_at_word_cuts_gets_no_prompt_cache(
