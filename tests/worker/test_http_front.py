@@ -197,7 +197,7 @@ async def test_metrics_expose_every_documented_name(stack: Stack) -> None:
     documented = set(
         re.findall(r"`(kvroute_worker_[a-z0-9_]+)`", (ROOT / "docs" / "INTERFACES.md").read_text())
     )
-    assert len(documented) == 16
+    assert len(documented) == 17
     wid = ("worker_id", stack.worker_id)
     finished = ("kvroute_worker_requests_total", (("finish_reason", "length"), wid))
     deadline = time.monotonic() + 5
