@@ -85,8 +85,8 @@ def is_word_start(text: str, p: int) -> bool:
     return (
         0 < p < len(text) - 1
         and text[p] == " "
+        and text[p + 1].isalpha()
         and not text[p - 1].isspace()
-        and (text[p + 1].isalpha())
     )
 
 

@@ -9,7 +9,7 @@ suffix is tokenized on an executor thread with the Rust tokenizer's
 ``encode_batch``, which releases the GIL (plain ``encode`` holds it for the
 whole call: measured, a 5 s encode on a thread left the loop one tick), so
 the event loop keeps serving while a long cold prompt is tokenized. A suffix
-of ``PARALLEL_MIN_CHARS`` or more goes in pieces cut before words
+of twice ``PARALLEL_MIN_CHARS`` or more goes in pieces cut before words
 (``prompt_prefix.split_at_word_starts``), which ``encode_batch`` encodes on
 every core at once; only for a tokenizer whose ids split there (checked on
 probe texts at start-up).
@@ -44,7 +44,7 @@ from gateway.text.prompt_prefix import (
 logger = logging.getLogger(__name__)
 
 _DEFAULT_MAX_MODEL_LEN = 4096
-# Suffixes this long are encoded in pieces of at least this many characters, one per
+# Long suffixes are encoded in pieces of at least this many characters, at most one per
 # core: a 26k-character text took 5.9 ms whole and 2.7 ms in two pieces on 2 idle cores.
 PARALLEL_MIN_CHARS = 8192
 # Probe conversation for finding the message marker and checking the split identity:
