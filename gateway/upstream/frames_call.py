@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -47,11 +48,25 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 class FramedStream:
-    """One connection to ``address`` carrying a ``GenerateMany`` stream; connects at once."""
+    """One connection to ``address`` carrying a ``GenerateMany`` stream; connects at once.
 
-    def __init__(self, address: str) -> None:
+    ``on_unreachable`` is called once if the connection cannot be made (the calls
+    waiting on the stream still fail as ``UNAVAILABLE``).
+    """
+
+    def __init__(
+        self, address: str, on_unreachable: Callable[[BaseException], None] | None = None
+    ) -> None:
         self.address = address
         self._connecting = asyncio.ensure_future(self._connect())
+        if on_unreachable is not None:
+            self._connecting.add_done_callback(
+                lambda task: (
+                    on_unreachable(task.exception())  # type: ignore[arg-type]
+                    if not task.cancelled() and task.exception() is not None
+                    else None
+                )
+            )
 
     async def _connect(self) -> frames.FramedConnection[pb.ReplyFrames]:
         host, port = split_address(self.address)

@@ -180,6 +180,7 @@ class _Worker:
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.WorkerStub
     frames_address: str = ""  # its stream goes here when set (never with TLS or a token)
+    frames_unreachable: bool = False  # a connection there failed: gRPC from then on
     mux: MuxStream | None = None
 
 
@@ -272,9 +273,20 @@ class GrpcUpstream:
             for call in waiting:
                 call.become(self._generate(entry.stub, call.request, call.timeout_s))
 
+        def frames_unreachable(exc: BaseException) -> None:
+            # A port the network does not let through (a policy that opens only gRPC's)
+            # must not take the worker out of service: its later streams go over gRPC.
+            logger.warning(
+                "frames port %s of the worker at %s unreachable (%s): using gRPC",
+                entry.frames_address,
+                entry.address,
+                exc,
+            )
+            entry.frames_unreachable = True
+
         def open_stream() -> Any:
-            if entry.frames_address:
-                return FramedStream(entry.frames_address)
+            if entry.frames_address and not entry.frames_unreachable:
+                return FramedStream(entry.frames_address, frames_unreachable)
             return entry.stub.GenerateMany(metadata=self._metadata)
 
         return MuxStream(

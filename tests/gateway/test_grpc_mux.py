@@ -276,20 +276,23 @@ async def test_closing_the_upstream_fails_the_calls_waiting_on_it_at_once(transp
         await worker.stop()
 
 
-async def test_a_frames_port_nobody_listens_on_fails_retryably() -> None:
+async def test_an_unreachable_frames_port_fails_retryably_then_grpc_serves() -> None:
+    # A network that lets only gRPC's port through must not take the worker out of service.
     worker = await EchoWorker("w1").start(frames=True)
-    dead_port = worker.frames_port
-    await worker.stop()
+    assert worker.frames is not None
+    await worker.frames.stop(0)  # the frames port closes, gRPC stays
     upstream = GrpcUpstream()
     try:
-        call = upstream.start(
-            "w1", "127.0.0.1:1", _generation([1]), 10, frames_address=f"127.0.0.1:{dead_port}"
-        )
+        call = _start(upstream, worker, _generation([1]), 10)
         with pytest.raises(UpstreamError) as err:
             await call.read()
         assert err.value.retryable and "frames connection" in err.value.message
+        chunks = await _read_all(_start(upstream, worker, _generation([5, 6]), 10))
+        assert [t for c in chunks for t in c.token_ids] == [5, 6]
+        assert worker.streams_opened == 1  # the gRPC stream
     finally:
         await upstream.close()
+        await worker.stop()
 
 
 @pytest.mark.parametrize("secured", [{"token": "s3cret"}, {"frames": False}])
