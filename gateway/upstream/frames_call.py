@@ -58,15 +58,16 @@ class FramedStream:
         self, address: str, on_unreachable: Callable[[BaseException], None] | None = None
     ) -> None:
         self.address = address
+        self._on_unreachable = on_unreachable
         self._connecting = asyncio.ensure_future(self._connect())
-        if on_unreachable is not None:
-            self._connecting.add_done_callback(
-                lambda task: (
-                    on_unreachable(task.exception())  # type: ignore[arg-type]
-                    if not task.cancelled() and task.exception() is not None
-                    else None
-                )
-            )
+        self._connecting.add_done_callback(self._connected)
+
+    def _connected(self, task: asyncio.Future[Any]) -> None:
+        if self._on_unreachable is None or task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self._on_unreachable(exc)
 
     async def _connect(self) -> frames.FramedConnection[pb.ReplyFrames]:
         host, port = split_address(self.address)
