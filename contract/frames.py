@@ -41,7 +41,8 @@ class FrameError(ConnectionError):
 
 
 def encode(message: Any) -> bytes:
-    body = message.SerializeToString()
+    """``message`` (a protobuf message, or one already serialized) behind its length."""
+    body = message if isinstance(message, bytes) else message.SerializeToString()
     return HEADER.pack(len(body)) + body
 
 

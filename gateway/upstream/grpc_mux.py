@@ -20,7 +20,9 @@ keeps today's per-call semantics on top of it:
   closed from the gateway's side once its calls have ended;
 - however the stream ends, every call still waiting on it fails.
 
-Frames ready at the same time are written as one message.
+Frames ready at the same time are written as one message. Frames are kept
+serialized (``contract.call_frames``): the stream's write takes the bytes of a
+``CallFrames`` message, not the message.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 
 import grpc
 
+from contract import call_frames
 from contract import worker_pb2 as pb
 from gateway.upstream.base import Chunk, UpstreamError
 
@@ -161,7 +164,7 @@ class MuxStream:
         self.calls: dict[int, MuxCall] = {}
         self._next_id = 1
         self._call: Any = None  # the grpc.aio StreamStreamCall, once opened
-        self._outbox: list[pb.CallFrame] = []
+        self._outbox: list[bytes] = []  # serialized CallFrames not yet written
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.dead = False  # lost or unimplemented: the upstream opens another
@@ -177,7 +180,7 @@ class MuxStream:
         call = MuxCall(self, call_id, request, timeout_s)
         self.calls[call_id] = call
         call.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, call)
-        self._send(pb.CallFrame(call_id=call_id, request=request))
+        self._send(call_frames.start_frame(call_id, request.SerializeToString()))
         return call
 
     def _expire(self, call: MuxCall) -> None:
@@ -186,7 +189,7 @@ class MuxStream:
     def cancel_call(self, call_id: int) -> None:
         self.calls.pop(call_id, None)
         if not self.dead:
-            self._send(pb.CallFrame(call_id=call_id, cancel=True))
+            self._send(call_frames.cancel_frame(call_id))
 
     async def retire(self, within_s: float) -> None:
         """Takes no new calls; waits up to ``within_s`` for the running ones, then closes
@@ -216,7 +219,7 @@ class MuxStream:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._write_loop()), loop.create_task(self._read_loop())]
 
-    def _send(self, frame: pb.CallFrame) -> None:
+    def _send(self, frame: bytes) -> None:
         self._outbox.append(frame)
         self._wake.set()
 
@@ -227,7 +230,7 @@ class MuxStream:
                 self._wake.clear()
                 while self._outbox:
                     frames, self._outbox = self._outbox, []
-                    await self._call.write(pb.CallFrames(frames=frames))
+                    await self._call.write(call_frames.call_frames(frames))
                 if self._closing:
                     await self._call.done_writing()
                     return

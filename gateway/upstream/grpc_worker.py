@@ -36,6 +36,7 @@ from openai_api.logprobs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
+_GENERATE_MANY = f"/{worker_pb2.DESCRIPTOR.services_by_name['Worker'].full_name}/GenerateMany"
 _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -182,6 +183,7 @@ class _Worker:
     frames_address: str = ""  # its stream goes here when set (never with TLS or a token)
     frames_unreachable: bool = False  # a connection there failed: gRPC from then on
     mux: MuxStream | None = None
+    generate_many: Any = None  # GenerateMany taking serialized CallFrames
 
 
 class GrpcUpstream:
@@ -230,6 +232,10 @@ class GrpcUpstream:
         else:
             channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         entry = _Worker(address, channel, worker_pb2_grpc.WorkerStub(channel), frames_address)
+        # The mux writes CallFrames already serialized (``contract.call_frames``).
+        entry.generate_many = channel.stream_stream(
+            _GENERATE_MANY, response_deserializer=worker_pb2.ReplyFrames.FromString
+        )
         self._workers[worker_id] = entry
         return entry
 
@@ -287,7 +293,7 @@ class GrpcUpstream:
         def open_stream() -> Any:
             if entry.frames_address and not entry.frames_unreachable:
                 return FramedStream(entry.frames_address, frames_unreachable)
-            return entry.stub.GenerateMany(metadata=self._metadata)
+            return entry.generate_many(metadata=self._metadata)
 
         return MuxStream(
             open_stream,
