@@ -30,6 +30,7 @@ from typing import Any
 
 import xxhash
 
+from gateway.text.chat_template import DirectTemplate
 from gateway.text.prefix_tokens import PrefixTokenCache, Prompt
 from gateway.text.prompt_prefix import (
     ANCHOR_CHARS,
@@ -101,6 +102,12 @@ class ChatTokenizer:
         self.vocab_size = len(self.tokenizer)
         # The Rust tokenizer directly: a third of the Python wrapper's per-call overhead.
         self._fast = getattr(self.tokenizer, "_tokenizer", None)
+        # Plain messages skip apply_chat_template's per-call preparation (same text).
+        self._direct = (
+            DirectTemplate.load(self.tokenizer)
+            if getattr(self.tokenizer, "chat_template", None)
+            else None
+        )
         self.prefix_cache: PrefixTokenCache | None = None
         if incremental and getattr(self.tokenizer, "chat_template", None):
             self.prefix_cache = self._build_prefix_cache(cache_entries, cache_tokens)
@@ -143,6 +150,12 @@ class ChatTokenizer:
         ``template_kwargs`` are a request's ``chat_template_kwargs`` (e.g. Qwen3's
         ``enable_thinking``), passed to the template exactly as a worker passes them.
         """
+        if self._direct is not None:
+            direct = self._direct.render(
+                messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+            )
+            if direct is not None:
+                return direct
         text = self.tokenizer.apply_chat_template(
             [dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
