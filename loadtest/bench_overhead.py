@@ -22,7 +22,9 @@ them send every N tokens, as workers started with that flag do.
 Workloads: ``chat_small`` (a ~209-token chat, 8 tokens out), ``stream_128``
 (the same chat streamed, 128 tokens, one worker message per token),
 ``chat_6k_repeat`` (one ~6k-token 12-turn chat sent again and again) and
-``chat_6k_cold`` (a different ~6k-token chat every request).
+``chat_6k_cold`` (a different ~6k-token chat every request: 200 chats, each
+sent with a number never sent before at the start of its system prompt, so
+no prefix of it was seen by any cache).
 
     python -m loadtest.bench_overhead                         # ~10 min
     python -m loadtest.bench_overhead --routers kvroute --seconds 3 --rounds 1
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -66,6 +69,8 @@ ROUTERS = (
     "vllm_cache_aware",
 )
 WORKLOADS = ("chat_small", "stream_128", "chat_6k_repeat", "chat_6k_cold")
+NONCE = b"@nonce@"  # in a cold body's system prompt; see _sendable
+_SENT = itertools.count(1)
 
 
 # -- workloads -----------------------------------------------------------------------
@@ -96,10 +101,17 @@ def make_bodies(workload: str, count: int, seed: int) -> list[bytes]:
     long = _chat(rng, 12, 210)  # ~6k tokens over 12 turns
     if workload == "chat_6k_repeat":
         return [json.dumps({"model": MODEL, "messages": long, "max_tokens": 8}).encode()]
-    return [
-        json.dumps({"model": MODEL, "messages": _chat(rng, 12, 210), "max_tokens": 8}).encode()
-        for _ in range(count)
-    ]
+    bodies = []
+    for _ in range(count):
+        chat = _chat(rng, 12, 210)
+        chat[0]["content"] = NONCE.decode() + " " + chat[0]["content"]
+        bodies.append(json.dumps({"model": MODEL, "messages": chat, "max_tokens": 8}).encode())
+    return bodies
+
+
+def _sendable(body: bytes) -> bytes:
+    """``body`` as sent: a cold body's marker replaced by a number this run never sent."""
+    return body.replace(NONCE, b"%d" % next(_SENT)) if NONCE in body else body
 
 
 async def _load(url: str, bodies: list[bytes], concurrency: int, seconds: float) -> dict[str, Any]:
@@ -114,7 +126,7 @@ async def _load(url: str, bodies: list[bytes], concurrency: int, seconds: float)
         async def user() -> None:
             nonlocal cursor, errors
             while time.perf_counter() < stop:
-                body = bodies[cursor % len(bodies)]
+                body = _sendable(bodies[cursor % len(bodies)])
                 cursor += 1
                 t0 = time.perf_counter()
                 try:
