@@ -102,6 +102,14 @@ class ChatTokenizer:
         self.vocab_size = len(self.tokenizer)
         # The Rust tokenizer directly: a third of the Python wrapper's per-call overhead.
         self._fast = getattr(self.tokenizer, "_tokenizer", None)
+        # Ids without character offsets where the library can (``encode_batch_fast``):
+        # 25-30 % less CPU (130 against 172 us on a 130-word message, 4.7 against
+        # 6.8 ms on a 5k-token chat); a batch call also releases the GIL.
+        self._batch_ids: Any = (
+            getattr(self._fast, "encode_batch_fast", self._fast.encode_batch)
+            if self._fast is not None
+            else None
+        )
         # Plain messages skip apply_chat_template's per-call preparation (same text).
         self._direct = (
             DirectTemplate.load(self.tokenizer)
@@ -169,7 +177,7 @@ class ChatTokenizer:
     def encode_text(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text`` (no caching)."""
         if self._fast is not None:
-            return list(self._fast.encode(text, add_special_tokens=add_special_tokens).ids)
+            return list(self._batch_ids([text], add_special_tokens=add_special_tokens)[0].ids)
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     async def aencode_rendered(self, text: str, *, remember_below: int | None = None) -> Prompt:
@@ -283,27 +291,37 @@ class ChatTokenizer:
             prompt.block_hashes(spec)
 
     def _encode_releasing_gil(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """``encode_text`` for an executor thread: ``encode_batch`` lets the loop run meanwhile."""
-        if self._fast is not None:
-            return list(self._encoding_releasing_gil(text, add_special_tokens).ids)
-        return self.encode_text(text, add_special_tokens=add_special_tokens)
+        """``encode_text`` for an executor thread: batch calls let the loop run meanwhile."""
+        if self._fast is None:
+            return self.encode_text(text, add_special_tokens=add_special_tokens)
+        texts = self._pieces(text, add_special_tokens)
+        if len(texts) == 1:
+            return self.encode_text(text, add_special_tokens=add_special_tokens)
+        ids: list[int] = []
+        for piece in self._batch_ids(texts, add_special_tokens=False):
+            ids += piece.ids
+        return ids
 
     def _encoding_releasing_gil(self, text: str, add_special_tokens: bool) -> Any:
         """Ids and spans of ``text`` through ``encode_batch``, which releases the GIL.
 
-        A long text is encoded in pieces, one per core, in that one call (the pieces
-        are encoded in parallel) when ids split before words and the pieces need no
-        special tokens of their own; the result is then a ``JoinedSpans``.
+        A text in pieces (``_pieces``) comes back as a ``JoinedSpans``.
         """
         assert self._fast is not None
+        texts = self._pieces(text, add_special_tokens)
+        if len(texts) == 1:
+            return self._fast.encode_batch(texts, add_special_tokens=add_special_tokens)[0]
+        return JoinedSpans(self._fast.encode_batch(texts, add_special_tokens=False), texts)
+
+    def _pieces(self, text: str, add_special_tokens: bool) -> list[str]:
+        """``text`` cut before words into one piece per core (batch calls encode them in
+        parallel) when it is long, ids split there and the pieces need no special tokens
+        of their own; else ``[text]``."""
         parts = min(self._cores, len(text) // PARALLEL_MIN_CHARS)
         specials_needed = add_special_tokens and self._adds_special_tokens
         if parts > 1 and self.splits_at_word_starts and not specials_needed:
-            texts = split_at_word_starts(text, parts)
-            if len(texts) > 1:
-                pieces = self._fast.encode_batch(texts, add_special_tokens=False)
-                return JoinedSpans(pieces, texts)
-        return self._fast.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            return split_at_word_starts(text, parts)
+        return [text]
 
     # -- incremental set-up ---------------------------------------------------------
 
