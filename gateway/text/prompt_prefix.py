@@ -24,6 +24,12 @@ that anchor) naming the last cut before the anchor. A new prompt digests its
 own anchors the same way and reuses the ids up to the cut of its longest
 remembered anchor, then tokenizes only the rest. Bounded LRU over prompts
 (entries and total tokens); ids are kept as 4-byte arrays.
+
+Where a tokenizer's ids also split at word starts, ``ChatTokenizer`` picks
+each anchor's cut among word starts (``anchor_word_starts``) and encodes the
+pieces between them in one batch call: each cut's token count is then the
+pieces' ids before it, with no character offsets computed (``remember_at``).
+Otherwise the cuts come from the encoding's spans (``remember``).
 """
 
 from __future__ import annotations
@@ -148,6 +154,22 @@ class JoinedSpans:
         return span[0] + shift, span[1] + shift
 
 
+def anchor_word_starts(text: str, start: int, anchors: int) -> list[tuple[int, int]]:
+    """(anchor index, word start) for each of the first ``anchors`` anchors that has a
+    word start (``is_word_start``) after ``start`` in the window ``remember`` searches
+    for a cut. Word starts are cuts too, and text split there encodes piece by piece
+    (where the tokenizer's probe check holds): ``ChatTokenizer`` encodes a prompt's
+    pieces between them and knows each cut's token count without character spans."""
+    found: list[tuple[int, int]] = []
+    for k in range(anchors):
+        anchor = (k + 1) * ANCHOR_CHARS
+        for p in range(anchor - 2, max(start, anchor - _CUT_SEARCH_CHARS), -1):
+            if is_word_start(text, p):
+                found.append((k, p))
+                break
+    return found
+
+
 def anchor_keys(text: str) -> list[bytes]:
     """The chained digest of ``text[:k * ANCHOR_CHARS]`` for k = 1, 2, ... (whole anchors)."""
     keys: list[bytes] = []
@@ -233,6 +255,18 @@ class PromptPrefixCache:
                     if n is not None:
                         entries.append((key, skip + n, p))
                         break
+        self._store(ids, entries)
+
+    def remember_at(
+        self, ids: list[int], keys: list[bytes], cuts: Sequence[tuple[int, int, int]]
+    ) -> None:
+        """Stores ``ids`` (the whole prompt's) under anchors whose cuts are known:
+        ``cuts`` holds (anchor index into ``keys``, ids before the cut, the cut)."""
+        if self.max_entries <= 0 or not keys or len(ids) > self.max_tokens:
+            return
+        self._store(ids, [(keys[k], n, p) for k, n, p in cuts])
+
+    def _store(self, ids: list[int], entries: list[tuple[bytes, int, int]]) -> None:
         if not entries:
             return
         self._next_slot += 1

@@ -19,6 +19,7 @@ Transformers' tokenizers work without torch; this module never imports it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -35,7 +36,9 @@ from gateway.text.prefix_tokens import PrefixTokenCache, Prompt
 from gateway.text.prompt_prefix import (
     ANCHOR_CHARS,
     JoinedSpans,
+    PromptPlan,
     PromptPrefixCache,
+    anchor_word_starts,
     ids_before,
     is_cut,
     is_word_start,
@@ -206,12 +209,44 @@ class ChatTokenizer:
         if cache is None or len(text) < ANCHOR_CHARS:
             return Prompt(await self._encode_maybe_off_loop(text, add_special_tokens=True))
         plan = cache.plan(text)
+        if self.splits_at_word_starts and not (plan.cut == 0 and self._adds_special_tokens):
+            if len(text) - plan.cut >= self.executor_min_chars:
+                loop = asyncio.get_running_loop()
+                ids, cuts = await loop.run_in_executor(None, self._encode_at_anchors, text, plan)
+            else:
+                ids, cuts = self._encode_at_anchors(text, plan)
+            if remember_below is None or len(ids) < remember_below:
+                cache.remember_at(ids, plan.keys, cuts)
+            return Prompt(ids)
         tail = text[plan.cut :]
         encoding = await self._encoding_maybe_off_loop(tail, add_special_tokens=not plan.cut)
         ids = plan.prefix_ids + list(encoding.ids)
         if remember_below is None or len(ids) < remember_below:
             cache.remember(text, ids, encoding, plan.keys, shift=plan.cut)
         return Prompt(ids)
+
+    def _encode_at_anchors(
+        self, text: str, plan: PromptPlan
+    ) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """The prompt's ids, its tail encoded in pieces cut at a word start per anchor.
+
+        Where ids split at word starts, each cut's token count is the ids of the
+        pieces before it, so no character offsets are needed (``encode_batch_fast``)
+        and the pieces are encoded on every core in one call: a 6k-token prompt
+        took 6.5-7.2 ms CPU against 7.7-8.8 with offsets in two pieces. Returns
+        the ids and, per anchor cut, (anchor index, ids before it, the cut).
+        """
+        cuts = anchor_word_starts(text, plan.cut, len(plan.keys))
+        bounds = [plan.cut, *(p for _, p in cuts), len(text)]
+        pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+        encodings = self._batch_ids(pieces, add_special_tokens=False)
+        ids = list(plan.prefix_ids)
+        counted: list[tuple[int, int, int]] = []
+        for (k, p), encoding in zip(cuts, encodings, strict=False):
+            ids += encoding.ids
+            counted.append((k, len(ids), p))
+        ids += encodings[-1].ids
+        return ids, counted
 
     async def _encode_maybe_off_loop(
         self, text: str, *, add_special_tokens: bool = False

@@ -20,6 +20,7 @@ from gateway.text.prompt_prefix import (
     JoinedSpans,
     PromptPrefixCache,
     anchor_keys,
+    anchor_word_starts,
     is_cut,
     is_word_start,
     split_at_word_starts,
@@ -277,3 +278,19 @@ def test_a_tokenizer_whose_tokens_span_spaces_encodes_long_texts_whole(
     assert not tokenizer.splits_at_word_starts
     text = "the quick brown fox jumps over the lazy dog " * 800
     assert tokenizer._encode_releasing_gil(text) == tokenizer.encode_text(text)
+
+
+@given(text=_TEXT, start_fraction=st.floats(0, 1))
+def test_anchor_word_starts_are_in_each_anchors_window_after_the_start(
+    text: str, start_fraction: float
+) -> None:
+    start = int(start_fraction * len(text))
+    anchors = len(text) // ANCHOR_CHARS
+    found = anchor_word_starts(text, start, anchors)
+    assert [p for _, p in found] == sorted({p for _, p in found})  # strictly increasing
+    for k, p in found:
+        anchor = (k + 1) * ANCHOR_CHARS
+        assert start < p <= anchor - 2 and p > anchor - ANCHOR_CHARS
+        assert is_word_start(text, p) and is_cut(text, p)
+        # the last word start in its window
+        assert not any(is_word_start(text, q) for q in range(p + 1, anchor - 1))
