@@ -59,7 +59,9 @@ def fleet_dispatcher(index: BlockIndex, ids: list[str], loads: dict[str, int]) -
         )
         for w in ids
     }
-    mirror: Any = type("Mirror", (), {"workers": workers, "no_worker_hint": lambda self: ""})()
+    mirror: Any = type(
+        "Mirror", (), {"workers": workers, "changes": 0, "no_worker_hint": lambda self: ""}
+    )()
     return standalone_dispatcher(mirror, index)
 
 

@@ -102,6 +102,7 @@ class RegistrySync(MirrorState):
                         try:
                             entry.record = _load_update(entry.record, raw)
                             entry.heartbeat = raw[_STAMP]
+                            self.changes += 1
                         except ValueError as exc:
                             logger.warning("worker %s: malformed load fields: %s", wid, exc)
                     live.add(wid)
@@ -139,6 +140,7 @@ class RegistrySync(MirrorState):
         if not self._same_tokenizer(wid, record):
             return
         entry = self.workers.get(wid)
+        self.changes += 1
         if entry is None or entry.record.epoch != record.epoch:
             self.workers[wid] = WorkerEntry(record=record, spec=spec_from_record(record))
             logger.info("worker %s discovered at %s (epoch %s)", wid, record.address, record.epoch)

@@ -94,6 +94,9 @@ class MirrorState:
         )
         self.on_drop = on_drop
         self.workers: dict[str, WorkerEntry] = {}
+        # Bumped whenever a worker comes, goes or gets a new record: readers that
+        # derive something from every record (``Dispatcher.healthy``) redo it then.
+        self.changes = 0
         self.redis_ok = False
         self.has_snapshot = False  # a full load succeeded at least once
         self.reconnects = 0
@@ -114,6 +117,7 @@ class MirrorState:
     def drop_worker(self, worker_id: str) -> None:
         """Forgets a dead worker and all its blocks."""
         self.workers.pop(worker_id, None)
+        self.changes += 1
         self._pending.pop(worker_id, None)
         staged = self._staged.pop(worker_id, None)
         if staged is not None:
