@@ -23,6 +23,7 @@ from gateway.edge.app_keys import STATE, GatewayState
 from gateway.text.tokenizer import ChatTokenizer
 from tests.gateway.fakes import FakeRegistration, FakeWorker
 from tests.gateway.helpers import eventually, namespace
+from tests.models import qwen3_tokenizer_dir
 
 MODEL = "SmolLM2-135M-Instruct"
 SPEC = HashSpec(block_size=16, model=MODEL)
@@ -32,6 +33,16 @@ HELLO_CACHED = [{"role": "user", "content": "a prompt of a few blocks " * 8}]
 @pytest.fixture(scope="session")
 def chat_tok(smollm2: Path) -> ChatTokenizer:
     return ChatTokenizer(smollm2)
+
+
+@pytest.fixture(scope="module", params=["smollm2", "qwen3"])
+def chat_tokenizer(request: pytest.FixtureRequest) -> ChatTokenizer:
+    """SmolLM2's and Qwen3's tokenizers, one per test module."""
+    if request.param == "smollm2":
+        folder: Path = request.getfixturevalue("smollm2")
+    else:
+        folder = qwen3_tokenizer_dir()
+    return ChatTokenizer(folder, cache_entries=64, cache_tokens=200_000)
 
 
 @dataclass

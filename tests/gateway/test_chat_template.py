@@ -7,7 +7,6 @@ transformers, which these tests also check.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,16 +15,6 @@ from hypothesis import strategies as st
 
 from gateway.text.chat_template import DirectTemplate
 from gateway.text.tokenizer import ChatTokenizer
-from tests.models import qwen3_tokenizer_dir
-
-
-@pytest.fixture(scope="module", params=["smollm2", "qwen3"])
-def chat_tokenizer(request: pytest.FixtureRequest) -> ChatTokenizer:
-    if request.param == "smollm2":
-        folder: Path = request.getfixturevalue("smollm2")
-    else:
-        folder = qwen3_tokenizer_dir()
-    return ChatTokenizer(folder, cache_entries=8, cache_tokens=10_000)
 
 
 def _transformers(tok: ChatTokenizer, messages: list[dict[str, Any]], **kwargs: Any) -> str:

@@ -26,18 +26,13 @@ from gateway.text.prompt_prefix import (
     split_at_word_starts,
 )
 from gateway.text.tokenizer import PARALLEL_MIN_CHARS, ChatTokenizer
-from tests.models import qwen3_tokenizer_dir
 
 
-@pytest.fixture(scope="module", params=["smollm2", "qwen3"])
-def tok(request: pytest.FixtureRequest) -> ChatTokenizer:
-    if request.param == "smollm2":
-        folder: Path = request.getfixturevalue("smollm2")
-    else:
-        folder = qwen3_tokenizer_dir()
-    tokenizer = ChatTokenizer(folder, cache_entries=64, cache_tokens=400_000)
-    assert tokenizer.prompt_cache is not None
-    return tokenizer
+@pytest.fixture(scope="module")
+def tok(chat_tokenizer: ChatTokenizer) -> ChatTokenizer:
+    """SmolLM2's and Qwen3's tokenizers (``conftest.chat_tokenizer``), with a prompt cache."""
+    assert chat_tokenizer.prompt_cache is not None
+    return chat_tokenizer
 
 
 def _ids(tok: ChatTokenizer, text: str) -> list[int]:

@@ -9,28 +9,17 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contract.hashing import HashSpec, block_hashes
 from gateway.text.prefix_tokens import PrefixTokenCache
 from gateway.text.tokenizer import ChatTokenizer
-from tests.models import qwen3_tokenizer_dir
 
 
 def _production_ids(tok: ChatTokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Ids through the gateway's own request path (render, then the incremental encoder)."""
     return asyncio.run(tok.aencode_rendered(tok.render(messages))).ids
-
-
-@pytest.fixture(scope="module", params=["smollm2", "qwen3"])
-def chat_tokenizer(request: pytest.FixtureRequest) -> ChatTokenizer:
-    if request.param == "smollm2":
-        folder: Path = request.getfixturevalue("smollm2")
-    else:
-        folder = qwen3_tokenizer_dir()
-    return ChatTokenizer(folder, cache_entries=64, cache_tokens=200_000)
 
 
 _PIECES = st.sampled_from(
