@@ -14,9 +14,11 @@ running across workloads. Routers:
 
 Workloads: ``mooncake`` (the Mooncake conversation trace replayed by aiperf
 with its timestamps, blocks rescaled to ``--trace-block-tokens``), ``chat``
-(multi-turn chat with a shared system prompt) and ``shared_prefix`` (RAG-like
-groups with Zipf popularity), both played by kvroute's own client, which
-aiperf cannot do with real answers fed back (chat) or Zipf groups.
+(multi-turn chat with a shared system prompt), ``shared_prefix`` (RAG-like
+groups with Zipf popularity) and ``bursty`` (those two mixed, every arrival
+of each 20 s window squeezed into its first 4 s, as in the simulator's
+sweep), played by kvroute's own client, which aiperf cannot do with real
+answers fed back (chat) or Zipf groups.
 
 Hit rate comes from the workers' own counters; TTFT and tokens/s from the
 client. Times are reported in the emulated GPU's units (divided back by
@@ -62,6 +64,7 @@ from loadtest.workloads import (
     ChatConfig,
     Conversation,
     SharedPrefixConfig,
+    bursty,
     chat_workload,
     shared_prefix_workload,
 )
@@ -69,7 +72,7 @@ from loadtest.workloads import (
 logger = logging.getLogger(__name__)
 
 ROUTERS = ("kvroute", "kvroute_3_replicas", "kvroute_round_robin", "sglang", "vllm")
-WORKLOADS = ("mooncake", "chat", "shared_prefix")
+WORKLOADS = ("mooncake", "chat", "shared_prefix", "bursty")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -196,6 +199,9 @@ def client_figures(results: list[RequestResult]) -> dict[str, Any]:
 
 
 def synthetic(name: str, mcfg: MatrixConfig, seed: int) -> list[Conversation]:
+    if name == "bursty":  # as the simulator's sweep mixes them (``loadtest.sweep``)
+        mixed = [*synthetic("chat", mcfg, seed), *synthetic("shared_prefix", mcfg, seed + 1)]
+        return bursty(mixed)
     if name == "chat":
         return chat_workload(
             ChatConfig(

@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -53,6 +53,7 @@ from loadtest.simulate import router_options, run_policy
 from loadtest.workloads import (
     Conversation,
     RequestShape,
+    bursty,
     conversation_shapes,
     synthetic_workload,
 )
@@ -84,18 +85,6 @@ WORKLOADS = {
     "mooncake_32": Workload("mooncake_32", 16, (16_384, 65_536), (4.0, 8.0)),
 }
 PEERS_REPLAY_REQUESTS = 500  # loadtest.peers_matrix's trace_limit
-BURST_PERIOD_S = 20.0
-BURST_ON_S = 4.0
-
-
-def bursty(convs: Sequence[Conversation]) -> list[Conversation]:
-    """``convs`` with every arrival of each period moved into the period's first seconds."""
-    squeeze = BURST_ON_S / BURST_PERIOD_S
-    out = []
-    for c in convs:
-        period = math.floor(c.start_s / BURST_PERIOD_S) * BURST_PERIOD_S
-        out.append(replace(c, start_s=period + (c.start_s - period) * squeeze))
-    return out
 
 
 def shapes_for(w: Workload, rate: float, limit: int, seed: int) -> list[RequestShape]:

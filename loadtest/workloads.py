@@ -14,9 +14,10 @@ same words, ids, arrival times and think times on every machine.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from contract.hashing import HashSpec, extend_block_hashes
@@ -280,3 +281,17 @@ def conversation_shapes(convs: Sequence[Conversation], spec: HashSpec) -> list[R
             )
             prev = rid
     return shapes
+
+
+BURST_PERIOD_S = 20.0
+BURST_ON_S = 4.0
+
+
+def bursty(convs: Sequence[Conversation]) -> list[Conversation]:
+    """``convs`` with every arrival of each period moved into the period's first seconds."""
+    squeeze = BURST_ON_S / BURST_PERIOD_S
+    out = []
+    for c in convs:
+        period = math.floor(c.start_s / BURST_PERIOD_S) * BURST_PERIOD_S
+        out.append(replace(c, start_s=period + (c.start_s - period) * squeeze))
+    return out

@@ -99,3 +99,19 @@ def test_rounds_report_each_figure_as_its_median_and_keep_the_rounds() -> None:
     assert failed["error"] == "RuntimeError: the fleet failed"
     with pytest.raises(ValueError, match="--rounds 0"):
         MatrixConfig(rounds=0)
+
+
+def test_bursty_mixes_chat_and_groups_into_the_start_of_each_window() -> None:
+    from loadtest.peers_matrix import MatrixConfig, synthetic
+    from loadtest.workloads import BURST_ON_S, BURST_PERIOD_S
+
+    mcfg = MatrixConfig()
+    chat = synthetic("chat", mcfg, 1)
+    groups = synthetic("shared_prefix", mcfg, 2)
+    mixed = synthetic("bursty", mcfg, 1)
+    assert sorted(c.conv_id for c in mixed) == sorted(c.conv_id for c in [*chat, *groups])
+    assert all(c.start_s % BURST_PERIOD_S <= BURST_ON_S + 1e-9 for c in mixed)
+    # the same requests, only sooner: turns and prompts unchanged
+    by_id = {c.conv_id: c for c in [*chat, *groups]}
+    for c in mixed:
+        assert c.turns == by_id[c.conv_id].turns and c.start_s <= by_id[c.conv_id].start_s
