@@ -29,15 +29,15 @@ _REASONING_FIELDS = frozenset({"reasoning_content", "thinking", "reasoning"})
 _SCALARS = (str, int, float, bool)
 # Names the renderer sets itself: a request's keyword with one of them takes the slow path.
 _OWN_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
-_PROBES: list[list[dict[str, str]]] = [
-    [{"role": "user", "content": "hi"}],
-    [
-        {"role": "system", "content": "  sys  "},
-        {"role": "user", "content": "héllo \n\n"},
-        {"role": "assistant", "content": " 世界 ok.\n"},
-        {"role": "user", "content": "\t<b>x</b> "},
-    ],
+# Whitespace and multi-byte text next to the message markers, where a difference (or,
+# for ``gateway.text.tokenizer``'s split checks, a merge across them) would show.
+PROBE_CHAT: list[dict[str, str]] = [
+    {"role": "system", "content": "  sys  "},
+    {"role": "user", "content": "héllo \n\n"},
+    {"role": "assistant", "content": " 世界 ok.\n"},
+    {"role": "user", "content": "\t<b>x</b> "},
 ]
+_PROBES = [[{"role": "user", "content": "hi"}], PROBE_CHAT]
 
 
 class DirectTemplate:

@@ -31,7 +31,7 @@ from typing import Any
 
 import xxhash
 
-from gateway.text.chat_template import DirectTemplate
+from gateway.text.chat_template import PROBE_CHAT, DirectTemplate
 from gateway.text.prefix_tokens import PrefixTokenCache, Prompt
 from gateway.text.prompt_prefix import (
     ANCHOR_CHARS,
@@ -51,14 +51,9 @@ _DEFAULT_MAX_MODEL_LEN = 4096
 # Long suffixes are encoded in pieces of at least this many characters, at most one per
 # core: a 26k-character text took 5.9 ms whole and 2.7 ms in two pieces on 2 idle cores.
 PARALLEL_MIN_CHARS = 8192
-# Probe conversation for finding the message marker and checking the split identity:
-# whitespace and multi-byte text next to the markers, where a merge across them would show.
-_PROBE = [
-    {"role": "system", "content": "  sys  "},
-    {"role": "user", "content": "héllo \n\n"},
-    {"role": "assistant", "content": " 世界 ok.\n"},
-    {"role": "user", "content": "\t<b>x</b> "},
-]
+# Probe conversation for finding the message marker and checking the split identity
+# (``chat_template.PROBE_CHAT``, which also checks the direct template render).
+_PROBE = PROBE_CHAT
 # Probe text for the word-boundary split identity of plain prompts: prose, code, digits,
 # contractions, doubled spaces and tabs, accents, CJK, emoji and markup next to the cuts.
 _PROMPT_PROBE = (
