@@ -142,6 +142,13 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, Any, str]] = [
         "Generate call per request)",
     ),
     (
+        "--fast-bpe",
+        "bool",
+        "true",
+        "tokenize with tiktoken's encoder where it gives exactly the tokenizer's ids (checked "
+        "at start-up; 5x less CPU than HF tokenizers); false: HF tokenizers only",
+    ),
+    (
         "--worker-frames",
         "bool",
         "true",
@@ -237,6 +244,7 @@ def config_from_args(argv: list[str]) -> GatewayConfig:
         stream_interval=v["--stream-interval"],
         grpc_mux=v["--grpc-mux"],
         worker_frames=v["--worker-frames"],
+        fast_bpe=v["--fast-bpe"],
     )
 
 

@@ -47,6 +47,8 @@ class GatewayConfig:
     tokenizer_cache_entries: int = 1024
     tokenizer_cache_tokens: int = 8_000_000
     executor_min_chars: int = 4096  # longer uncached suffixes are tokenized off the loop
+    # Byte-level BPE ids from tiktoken's encoder where it gives HF's (gateway.text.fast_bpe).
+    fast_bpe: bool = True
     index_max_entries: int = 0  # (worker, block) entries the index keeps; 0 = unbounded
     redis_cluster: bool = False  # --redis-url is a node of a Redis Cluster
     # Share in-flight load, speculative entries and sessions with the other gateway

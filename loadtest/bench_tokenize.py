@@ -7,11 +7,15 @@ process's CPU time and the wall time per text.
 - ``chat_cold``: bench_overhead's cold ~5k-token 12-turn chat, rendered;
   ``encode_batch`` with character offsets, in pieces (the gateway's path
   before 5 December 2026) against ``ChatTokenizer._encode_releasing_gil``
-  (``encode_batch_fast``: ids only, in pieces).
+  (ids only, in pieces; tiktoken's encoder where exact, ``--fast-bpe``).
+- ``chat_cold_tiktoken``: the same texts through ``_encode_releasing_gil``
+  with HF tokenizers' ``encode_batch_fast`` (``--fast-bpe false``) against
+  tiktoken's encoder (``gateway.text.fast_bpe``).
 - ``prompt_cold``: a plain 6,000-word prompt (~9k tokens) through the prompt
   cache; its spans path (``encode_batch`` with offsets, then ``remember``
   reading the spans) against its anchors path (pieces cut at a word start
-  per anchor, ``remember_at``).
+  per anchor, ``remember_at``), the gateway's default encoder on each.
+- ``prompt_cold_tiktoken``: the anchors path, HF tokenizers against tiktoken.
 - ``template``: the 24-message chat rendered by ``apply_chat_template``
   against ``ChatTokenizer.render`` (the compiled template for plain messages).
 
@@ -67,6 +71,9 @@ def compare(
 
 def run(rounds: int, texts: int) -> dict[str, Any]:
     tok = ChatTokenizer(resolve_model("smollm2"))
+    hf_only = ChatTokenizer(resolve_model("smollm2"), fast_bpe=False)
+    if tok._bpe is None:
+        raise RuntimeError("tiktoken's encoder did not load for SmolLM2")
     chats = [json.loads(b)["messages"] for b in make_bodies("chat_6k_cold", texts, seed=3)]
     rendered = [tok.render(m) for m in chats]
     rng = random.Random(0)
@@ -77,9 +84,9 @@ def run(rounds: int, texts: int) -> dict[str, Any]:
         encoding = tok._encoding_releasing_gil(text, True)
         cache.remember(text, list(encoding.ids), encoding, keys)
 
-    def anchors_path(text: str) -> None:
+    def anchors_path(text: str, tokenizer: ChatTokenizer = tok) -> None:
         cache, keys = PromptPrefixCache(), anchor_keys(text)
-        ids, cuts = tok._encode_at_anchors(text, PromptPlan([], 0, keys))
+        ids, cuts = tokenizer._encode_at_anchors(text, PromptPlan([], 0, keys))
         cache.remember_at(ids, keys, cuts)
 
     def transformers_render(messages: list[dict[str, str]]) -> None:
@@ -97,7 +104,13 @@ def run(rounds: int, texts: int) -> dict[str, Any]:
             rendered,
             rounds,
         ),
+        "chat_cold_tiktoken": compare(
+            hf_only._encode_releasing_gil, tok._encode_releasing_gil, rendered, rounds
+        ),
         "prompt_cold": compare(spans_path, anchors_path, prompts, rounds),
+        "prompt_cold_tiktoken": compare(
+            lambda t: anchors_path(t, hf_only), anchors_path, prompts, rounds
+        ),
         "template": compare(transformers_render, tok.render, chats, rounds),
         "rounds": rounds,
         "cores": os.cpu_count(),

@@ -199,6 +199,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
             cache_entries=config.tokenizer_cache_entries,
             cache_tokens=config.tokenizer_cache_tokens,
             executor_min_chars=config.executor_min_chars,
+            fast_bpe=config.fast_bpe,
         )
     index = BlockIndex(max_entries=config.index_max_entries)
     upstreams: dict[str, Upstream] = {
