@@ -131,6 +131,7 @@ class Fleet:
     gateway: subprocess.Popen[bytes] | None = None
     model_dir: str = ""
     logs: dict[str, ChildLog] = field(default_factory=dict)
+    _gateway_port_retries: int = 0
     _redis: subprocess.Popen[bytes] | None = None
     _tmp: Path | None = None
 
@@ -313,16 +314,14 @@ class Fleet:
         deadline = time.monotonic() + cfg.startup_timeout
         for slot in range(len(self.workers)):
             self._wait_worker_listens(slot, deadline)
+        self._wait_gateway_listens(deadline)
         assert self.gateway is not None
-        _wait_for_port(
-            self.gateway_port,
-            max(1.0, deadline - time.monotonic()),
-            self.gateway,
-            self.logs.get("gateway"),
-        )
         want = len(self.workers) if expected_workers is None else expected_workers
         while time.monotonic() < deadline:
             if self.gateway.poll() is not None:
+                if self._relaunch_gateway_if_port_taken():
+                    self._wait_gateway_listens(deadline)
+                    continue
                 self.logs["gateway"].join()
                 raise RuntimeError(
                     f"gateway exited with {self.gateway.returncode}; its last lines:\n"
@@ -349,6 +348,36 @@ class Fleet:
             f"the gateway saw {self.healthy_workers()} of {want} workers healthy within "
             f"{cfg.startup_timeout:.0f}s; its last lines:\n{self.logs['gateway'].tail()}"
         )
+
+    def _wait_gateway_listens(self, deadline: float) -> None:
+        while True:
+            assert self.gateway is not None
+            try:
+                _wait_for_port(
+                    self.gateway_port,
+                    max(1.0, deadline - time.monotonic()),
+                    self.gateway,
+                    self.logs.get("gateway"),
+                )
+                return
+            except RuntimeError:
+                if not self._relaunch_gateway_if_port_taken():
+                    raise
+
+    def _relaunch_gateway_if_port_taken(self) -> bool:
+        """Starts the gateway again on a fresh port when the one ``free_port`` chose was
+        taken before it bound it (as ``_relaunch_if_port_taken`` does for a worker)."""
+        log = self.logs.get("gateway")
+        if log is not None:
+            log.join()
+        if self.config.gateway_port or self._gateway_port_retries >= _PORT_RETRIES:
+            return False
+        if log is None or "is in use" not in log.tail(40):
+            return False
+        logger.warning("gateway: its port was taken as it started; starting it again")
+        self._gateway_port_retries += 1
+        self.start_gateway()
+        return True
 
     def healthy_workers(self) -> int:
         """How many workers the gateway routes to now (from its /readyz body)."""

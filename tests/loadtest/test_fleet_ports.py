@@ -44,3 +44,40 @@ def test_a_worker_whose_port_is_taken_starts_again(
             assert fleet.healthy_workers() == 1
     finally:
         taken.close()
+
+
+def test_a_gateway_whose_port_is_taken_starts_again(
+    smollm2: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    real_free_port = fleet_module.free_port
+    real_start = Fleet.start_gateway
+    starts = []
+
+    def start_gateway(self: Fleet) -> None:
+        # The first start draws the taken port, as a race with another process would.
+        first = not starts
+        starts.append(1)
+        if first:
+            monkeypatch.setattr(fleet_module, "free_port", lambda: taken.getsockname()[1])
+        try:
+            real_start(self)
+        finally:
+            monkeypatch.setattr(fleet_module, "free_port", real_free_port)
+
+    monkeypatch.setattr(Fleet, "start_gateway", start_gateway)
+    cfg = FleetConfig(
+        model=str(smollm2),
+        workers=1,
+        worker_args=("--engine", "emulated", "--profile", "h100-llama3.1-8b"),
+        startup_timeout=120.0,
+    )
+    try:
+        with Fleet(cfg) as fleet:
+            assert len(starts) == 2 and fleet._gateway_port_retries == 1
+            assert fleet.gateway_port != taken.getsockname()[1]
+            assert fleet.healthy_workers() == 1
+    finally:
+        taken.close()
