@@ -65,7 +65,9 @@ class MuxCall:
         "timer",
     )
 
-    def __init__(self, stream: MuxStream, call_id: int, request: bytes, timeout_s: float) -> None:
+    def __init__(
+        self, stream: MuxStream, call_id: int, request: pb.GenerateRequest, timeout_s: float
+    ) -> None:
         self._stream = stream
         self.call_id = call_id
         self.request = request
@@ -169,8 +171,8 @@ class MuxStream:
         self.unimplemented = False  # the worker has no GenerateMany
         self._closing = False  # retired: the writer ends the gateway's side when it is done
 
-    def start(self, request: bytes, timeout_s: float) -> MuxCall:
-        """Sends ``request`` (a serialized ``GenerateRequest``) as a new call on this stream."""
+    def start(self, request: pb.GenerateRequest, timeout_s: float) -> MuxCall:
+        """Sends ``request`` as a new call on this stream."""
         if self._call is None:
             self._open()
         call_id = self._next_id
@@ -178,7 +180,7 @@ class MuxStream:
         call = MuxCall(self, call_id, request, timeout_s)
         self.calls[call_id] = call
         call.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, call)
-        self._send(call_frames.start_frame(call_id, request))
+        self._send(call_frames.start_frame(call_id, request.SerializeToString()))
         return call
 
     def _expire(self, call: MuxCall) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from contract import call_frames, worker_pb2, worker_pb2_grpc
+from contract import worker_pb2, worker_pb2_grpc
 from contract.grpc_auth import METADATA_KEY, bearer
 from gateway.upstream.base import Chunk, Generation, UpstreamCall, UpstreamError
 from gateway.upstream.frames_call import FramedStream
@@ -108,18 +108,7 @@ def to_chunk(msg: worker_pb2.GenerateResponse) -> Chunk:
     )
 
 
-def _request_bytes(g: Generation) -> bytes:
-    """``g`` as a serialized ``GenerateRequest``; a long prompt's ids packed by numpy."""
-    if len(g.prompt_ids) < call_frames.PACKED_MIN_VALUES:
-        return _request(g).SerializeToString()
-    head = _request(g, with_ids=False).SerializeToString()
-    return head + call_frames.packed_uint32(_PROMPT_IDS_FIELD, g.prompt_ids)
-
-
-_PROMPT_IDS_FIELD = worker_pb2.GenerateRequest.PROMPT_TOKEN_IDS_FIELD_NUMBER
-
-
-def _request(g: Generation, *, with_ids: bool = True) -> worker_pb2.GenerateRequest:
+def _request(g: Generation) -> worker_pb2.GenerateRequest:
     sampling = worker_pb2.SamplingParams(
         max_tokens=g.max_tokens,
         temperature=g.temperature,
@@ -143,7 +132,7 @@ def _request(g: Generation, *, with_ids: bool = True) -> worker_pb2.GenerateRequ
         sampling.grammar = g.grammar
     return worker_pb2.GenerateRequest(
         request_id=g.request_id,
-        prompt_token_ids=g.prompt_ids if with_ids else (),
+        prompt_token_ids=list(g.prompt_ids),
         sampling=sampling,
         cache_salt=g.cache_salt,
         stream_interval=g.stream_interval,
@@ -265,13 +254,14 @@ class GrpcUpstream:
     ) -> UpstreamCall:
         """Starts the generation on the worker; the first ``read`` waits for its first tokens."""
         entry = self.worker(worker_id, address, frames_address)
+        request = _request(generation)
         if not self.mux:
-            return self._generate(entry.stub, _request(generation), timeout_s)
+            return self._generate(entry.stub, request, timeout_s)
         if entry.mux is None or entry.mux.dead:
             if entry.mux is not None and entry.mux.unimplemented:
-                return self._generate(entry.stub, _request(generation), timeout_s)
+                return self._generate(entry.stub, request, timeout_s)
             entry.mux = self._open_mux(entry)
-        return entry.mux.start(_request_bytes(generation), timeout_s)
+        return entry.mux.start(request, timeout_s)
 
     def _generate(
         self,
@@ -287,8 +277,7 @@ class GrpcUpstream:
                 "worker at %s has no GenerateMany: one Generate call per request", entry.address
             )
             for call in waiting:
-                request = worker_pb2.GenerateRequest.FromString(call.request)
-                call.become(self._generate(entry.stub, request, call.timeout_s))
+                call.become(self._generate(entry.stub, call.request, call.timeout_s))
 
         def frames_unreachable(exc: BaseException) -> None:
             # A port the network does not let through (a policy that opens only gRPC's)

@@ -51,20 +51,3 @@ def test_call_frames_equal_the_generated_message(
     ]
     # Byte for byte too: the generated code serializes fields in the same order.
     assert wire == expected.SerializeToString()
-
-
-@given(
-    st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=300)
-    | st.lists(st.integers(min_value=0, max_value=2**18), min_size=1000, max_size=3000),
-    st.text(max_size=20),
-)
-def test_packed_ids_appended_parse_as_the_whole_request(ids: list[int], rid: str) -> None:
-    whole = pb.GenerateRequest(request_id=rid, prompt_token_ids=ids, cache_salt="s")
-    head = pb.GenerateRequest(request_id=rid, cache_salt="s").SerializeToString()
-    wire = head + call_frames.packed_uint32(2, ids)
-    assert pb.GenerateRequest.FromString(wire) == whole
-    # The field alone is byte for byte what the generated code writes for it.
-    assert (
-        call_frames.packed_uint32(2, ids)
-        == pb.GenerateRequest(prompt_token_ids=ids).SerializeToString()
-    )
