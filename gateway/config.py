@@ -46,7 +46,8 @@ class GatewayConfig:
     max_retries: int = 2  # other workers tried when one fails before its first token
     tokenizer_cache_entries: int = 1024
     tokenizer_cache_tokens: int = 8_000_000
-    executor_min_chars: int = 4096  # longer uncached suffixes are tokenized off the loop
+    # Longer uncached suffixes are tokenized off the loop; 0 = by encoder (gateway.text.tokenizer).
+    executor_min_chars: int = 0
     # Byte-level BPE ids from tiktoken's encoder where it gives HF's (gateway.text.fast_bpe).
     fast_bpe: bool = True
     index_max_entries: int = 0  # (worker, block) entries the index keeps; 0 = unbounded

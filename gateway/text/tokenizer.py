@@ -4,15 +4,17 @@
 and encoded without extra special tokens gives exactly the ids the worker
 computes, so the gateway's block hashes match the worker's. Multi-turn chats
 reuse the ids of earlier turns (``gateway.text.prefix_tokens``), plain prompts
-those of text shared with earlier prompts (``gateway.text.prompt_prefix``); a long uncached
-suffix is tokenized on an executor thread with the Rust tokenizer's
-``encode_batch``, which releases the GIL (plain ``encode`` holds it for the
-whole call: measured, a 5 s encode on a thread left the loop one tick), so
-the event loop keeps serving while a long cold prompt is tokenized. A suffix
-of twice ``PARALLEL_MIN_CHARS`` or more goes in pieces cut before words
-(``prompt_prefix.split_at_word_starts``), which ``encode_batch`` encodes on
-every core at once; only for a tokenizer whose ids split there (checked on
-probe texts at start-up).
+those of text shared with earlier prompts (``gateway.text.prompt_prefix``).
+Ids come from tiktoken's encoder where it reproduces the tokenizer exactly
+(``gateway.text.fast_bpe``: a fifth of the CPU), else from the Rust
+tokenizer's batch calls. A long uncached suffix is tokenized on an executor
+thread; both encoders release the GIL there (plain ``encode`` of the Rust
+tokenizer holds it for the whole call: measured, a 5 s encode on a thread
+left the loop one tick), so the event loop keeps serving meanwhile. With the
+Rust tokenizer a suffix of twice ``PARALLEL_MIN_CHARS`` or more goes in
+pieces cut before words (``prompt_prefix.split_at_word_starts``), which
+``encode_batch`` encodes on every core at once; only for a tokenizer whose
+ids split there (checked on probe texts at start-up).
 Transformers' tokenizers work without torch; this module never imports it.
 """
 
@@ -49,6 +51,12 @@ from gateway.text.prompt_prefix import (
 logger = logging.getLogger(__name__)
 
 _DEFAULT_MAX_MODEL_LEN = 4096
+# Uncached text this long is tokenized on an executor thread: about 1 ms of encoding
+# with either encoder (HF tokenizers ~0.2 us a character, tiktoken's ~0.04). Shorter
+# text stays on the loop: under load a thread's encode waits for the GIL, and a cold
+# 7k-token prompt's 1.5 ms encode took 11-28 ms (wall) on the executor.
+EXECUTOR_MIN_CHARS_HF = 4096
+EXECUTOR_MIN_CHARS_FAST_BPE = 32768
 # Long suffixes are encoded in pieces of at least this many characters, at most one per
 # core: a 26k-character text took 5.9 ms whole and 2.7 ms in two pieces on 2 idle cores.
 PARALLEL_MIN_CHARS = 8192
@@ -89,7 +97,7 @@ class ChatTokenizer:
         *,
         cache_entries: int = 1024,
         cache_tokens: int = 8_000_000,
-        executor_min_chars: int = 4096,
+        executor_min_chars: int = 0,
         incremental: bool = True,
         fast_bpe: bool = True,
     ) -> None:
@@ -97,7 +105,6 @@ class ChatTokenizer:
 
         self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.executor_min_chars = executor_min_chars
         self.max_model_len = _max_model_len(self.model_dir, self.tokenizer)
         self.vocab_size = len(self.tokenizer)
         # The Rust tokenizer directly: a third of the Python wrapper's per-call overhead.
@@ -125,6 +132,9 @@ class ChatTokenizer:
         self._bpe: FastBpe | None = None
         if fast_bpe and self._fast is not None:
             self._bpe = self._load_fast_bpe()
+        # 0 = by encoder (EXECUTOR_MIN_CHARS_*).
+        auto = EXECUTOR_MIN_CHARS_HF if self._bpe is None else EXECUTOR_MIN_CHARS_FAST_BPE
+        self.executor_min_chars = executor_min_chars or auto
         self.prefix_cache: PrefixTokenCache | None = None
         if incremental and getattr(self.tokenizer, "chat_template", None):
             self.prefix_cache = self._build_prefix_cache(cache_entries, cache_tokens)
@@ -338,7 +348,7 @@ class ChatTokenizer:
 
     def _encode_releasing_gil(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """``encode_text`` for an executor thread: batch calls let the loop run meanwhile."""
-        if self._fast is None:
+        if self._fast is None or self._bpe is not None:  # tiktoken: no gain from pieces
             return self.encode_text(text, add_special_tokens=add_special_tokens)
         texts = self._pieces(text, add_special_tokens)
         if len(texts) == 1:

@@ -96,7 +96,7 @@ def test_a_shared_prefix_is_reused_not_tokenized(tok: ChatTokenizer) -> None:
     assert cache is not None
     rng = random.Random(7)
     words = ["alpha", "beta", "gamma", "delta", "épsilon", "12", "x.y", "Zeta"]
-    shared = " ".join(rng.choice(words) for _ in range(3000)) + "\n"  # long: on the executor
+    shared = " ".join(rng.choice(words) for _ in range(8000)) + "\n"  # long: on the executor
     assert len(shared) >= tok.executor_min_chars
     first = shared + "first question?"
     assert _ids(tok, first) == _full(tok, first)
