@@ -1,8 +1,10 @@
-"""Fleet start-up survives a worker whose port was taken between ``free_port`` and its bind.
+"""Fleet start-up survives a worker or gateway whose port was taken between
+``free_port`` and its bind.
 
 A real fleet (Redis, one emulated worker, the gateway): the first port handed to
-the worker is one this test holds open, as the fleet's own outgoing connections
-can hold one on a busy host; the worker dies on it and is started again on fresh ports.
+the worker (or the gateway) is one this test holds open, as the fleet's own
+outgoing connections can hold one on a busy host; the process dies on it and is
+started again on a fresh port.
 """
 
 from __future__ import annotations
@@ -14,6 +16,15 @@ import pytest
 
 from loadtest import fleet as fleet_module
 from loadtest.fleet import Fleet, FleetConfig
+
+
+def _one_emulated_worker(model: Path) -> FleetConfig:
+    return FleetConfig(
+        model=str(model),
+        workers=1,
+        worker_args=("--engine", "emulated", "--profile", "h100-llama3.1-8b"),
+        startup_timeout=120.0,
+    )
 
 
 def test_a_worker_whose_port_is_taken_starts_again(
@@ -30,12 +41,7 @@ def test_a_worker_whose_port_is_taken_starts_again(
         return int(taken.getsockname()[1]) if next(calls) == 1 else real()
 
     monkeypatch.setattr(fleet_module, "free_port", free_port)
-    cfg = FleetConfig(
-        model=str(smollm2),
-        workers=1,
-        worker_args=("--engine", "emulated", "--profile", "h100-llama3.1-8b"),
-        startup_timeout=120.0,
-    )
+    cfg = _one_emulated_worker(smollm2)
     try:
         with Fleet(cfg) as fleet:
             (worker,) = fleet.workers
@@ -68,12 +74,7 @@ def test_a_gateway_whose_port_is_taken_starts_again(
             monkeypatch.setattr(fleet_module, "free_port", real_free_port)
 
     monkeypatch.setattr(Fleet, "start_gateway", start_gateway)
-    cfg = FleetConfig(
-        model=str(smollm2),
-        workers=1,
-        worker_args=("--engine", "emulated", "--profile", "h100-llama3.1-8b"),
-        startup_timeout=120.0,
-    )
+    cfg = _one_emulated_worker(smollm2)
     try:
         with Fleet(cfg) as fleet:
             assert len(starts) == 2 and fleet._gateway_port_retries == 1
