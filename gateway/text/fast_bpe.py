@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 import unicodedata
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -104,7 +105,8 @@ def _missing_byte_chars(have: set[int]) -> str | None:
             else:
                 low, span = (b & 0x07) << 18, 1 << 18
             low = max(low, {0xE0: 0x800, 0xF0: 0x10000}.get(b, 0))
-            ranges.append(f"{re.escape(chr(low))}-{re.escape(chr(low | (span - 1)))}")
+            high = min(low | (span - 1), sys.maxunicode)  # 0xF4 starts only up to U+10FFFF
+            ranges.append(f"{re.escape(chr(low))}-{re.escape(chr(high))}")
     return "[" + "".join(ranges) + "]"
 
 
@@ -134,7 +136,10 @@ class FastBpe:
             spec = json.loads(Path(tokenizer_json).read_text())
         except (OSError, ValueError):
             return None
-        built = cls._from_spec(spec, tiktoken)
+        try:
+            built = cls._from_spec(spec, tiktoken)
+        except Exception as exc:  # a tokenizer.json shaped in a way not foreseen here
+            built = f"unreadable tokenizer.json: {type(exc).__name__}: {exc}"
         if isinstance(built, str):
             logger.info("tokenizing with HF tokenizers only: %s", built)
             return None

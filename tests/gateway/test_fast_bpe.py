@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from gateway.text.fast_bpe import FastBpe, _to_bytes
+from gateway.text.fast_bpe import FastBpe, _missing_byte_chars, _to_bytes
 from gateway.text.tokenizer import ChatTokenizer
 from tests.models import qwen3_tokenizer_dir
 
@@ -154,6 +154,16 @@ def test_shapes_it_cannot_reproduce_stay_with_hf(
     assert isinstance(refused, str) and reason in refused
 
 
+def test_a_malformed_file_leaves_hf_in_charge(tmp_path: Path) -> None:
+    bad = tmp_path / "tokenizer.json"
+    byte_level = {"type": "ByteLevel", "use_regex": True}
+    model = {"type": "BPE", "vocab": {}, "merges": [3]}  # a merge that is not a pair
+    bad.write_text(json.dumps({"model": model, "pre_tokenizer": byte_level}))
+    assert FastBpe.load(bad, lambda texts: [[] for _ in texts]) is None
+    bad.write_text("{not json")
+    assert FastBpe.load(bad, lambda texts: [[] for _ in texts]) is None
+
+
 def test_merges_out_of_id_order_are_refused(smollm2: Path) -> None:
     spec = json.loads((smollm2 / "tokenizer.json").read_text())
     merges = spec["model"]["merges"]
@@ -168,3 +178,25 @@ def test_load_refuses_an_encoder_that_disagrees_on_probes(smollm2: Path) -> None
     assert FastBpe.load(smollm2 / "tokenizer.json", wrong, ["some probe"]) is None
     hf = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
     assert FastBpe.load(smollm2 / "tokenizer.json", lambda t: _hf_ids(hf, t)) is not None
+
+
+@pytest.mark.parametrize(
+    ("missing", "inside", "outside"),
+    [
+        (0x04, "\x04", "\x05"),
+        (0xC3, "\u00e9", "\u0100"),  # U+00C0-U+00FF start with 0xC3
+        (0xE0, "\u0800", "\u1000"),
+        (0xF0, "\U00010000", "\U00040000"),
+        (0xF4, "\U0010ffff", "\U000fffff"),  # its range ends at the last code point
+    ],
+)
+def test_a_missing_byte_sends_exactly_its_characters_to_hf(
+    missing: int, inside: str, outside: str
+) -> None:
+    import re
+
+    pattern = _missing_byte_chars(set(range(256)) - {missing})
+    assert pattern is not None
+    assert re.search(pattern, inside) and not re.search(pattern, outside)
+    assert missing in inside.encode("utf-8") and missing not in outside.encode("utf-8")
+    assert _missing_byte_chars(set(range(256)) - {0x80}) is None  # a continuation byte
