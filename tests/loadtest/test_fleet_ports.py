@@ -10,6 +10,7 @@ started again on a fresh port.
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,19 @@ def _one_emulated_worker(model: Path) -> FleetConfig:
     )
 
 
+@pytest.fixture
+def taken() -> Iterator[socket.socket]:
+    """A port something listens on, as another process can hold one."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    yield sock
+    sock.close()
+
+
 def test_a_worker_whose_port_is_taken_starts_again(
-    smollm2: Path, monkeypatch: pytest.MonkeyPatch
+    smollm2: Path, monkeypatch: pytest.MonkeyPatch, taken: socket.socket
 ) -> None:
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
     real = fleet_module.free_port
     calls = iter(range(1000))
 
@@ -42,22 +50,16 @@ def test_a_worker_whose_port_is_taken_starts_again(
 
     monkeypatch.setattr(fleet_module, "free_port", free_port)
     cfg = _one_emulated_worker(smollm2)
-    try:
-        with Fleet(cfg) as fleet:
-            (worker,) = fleet.workers
-            assert worker.port_retries == 1
-            assert worker.grpc_port != taken.getsockname()[1]
-            assert fleet.healthy_workers() == 1
-    finally:
-        taken.close()
+    with Fleet(cfg) as fleet:
+        (worker,) = fleet.workers
+        assert worker.port_retries == 1
+        assert worker.grpc_port != taken.getsockname()[1]
+        assert fleet.healthy_workers() == 1
 
 
 def test_a_gateway_whose_port_is_taken_starts_again(
-    smollm2: Path, monkeypatch: pytest.MonkeyPatch
+    smollm2: Path, monkeypatch: pytest.MonkeyPatch, taken: socket.socket
 ) -> None:
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
     real_free_port = fleet_module.free_port
     real_start = Fleet.start_gateway
     starts = []
@@ -75,10 +77,7 @@ def test_a_gateway_whose_port_is_taken_starts_again(
 
     monkeypatch.setattr(Fleet, "start_gateway", start_gateway)
     cfg = _one_emulated_worker(smollm2)
-    try:
-        with Fleet(cfg) as fleet:
-            assert len(starts) == 2 and fleet._gateway_port_retries == 1
-            assert fleet.gateway_port != taken.getsockname()[1]
-            assert fleet.healthy_workers() == 1
-    finally:
-        taken.close()
+    with Fleet(cfg) as fleet:
+        assert len(starts) == 2 and fleet._gateway_port_retries == 1
+        assert fleet.gateway_port != taken.getsockname()[1]
+        assert fleet.healthy_workers() == 1
