@@ -267,6 +267,10 @@ class ChatTokenizer:
             fast = self._bpe.encode_many(texts)
             if fast is not None:
                 return fast
+        return self._hf_ids(texts, add_special_tokens)
+
+    def _hf_ids(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """Each text's ids from the Rust tokenizer's batch call (ids only)."""
         return [e.ids for e in self._batch_ids(texts, add_special_tokens=add_special_tokens)]
 
     async def _encode_maybe_off_loop(
@@ -384,16 +388,12 @@ class ChatTokenizer:
     def _load_fast_bpe(self) -> FastBpe | None:
         """tiktoken's encoder for this vocabulary, if it gives HF's ids on the probes."""
         probes = [_PROMPT_PROBE]
-        if self._direct is not None or getattr(self.tokenizer, "chat_template", None):
+        if getattr(self.tokenizer, "chat_template", None):
             try:
                 probes.append(self.render(_PROBE))
             except Exception as exc:  # a template may refuse the probe's roles
                 logger.debug("no chat probe for tiktoken's encoder: %s", exc)
-
-        def reference(texts: list[str]) -> list[list[int]]:
-            return [list(e.ids) for e in self._batch_ids(texts, add_special_tokens=False)]
-
-        return FastBpe.load(self.model_dir / "tokenizer.json", reference, probes)
+        return FastBpe.load(self.model_dir / "tokenizer.json", self._hf_ids, probes)
 
     def _build_prefix_cache(self, entries: int, tokens: int) -> PrefixTokenCache | None:
         """A prefix cache keyed on the message marker, if this tokenizer allows one."""
