@@ -387,13 +387,17 @@ class ChatTokenizer:
 
     def _load_fast_bpe(self) -> FastBpe | None:
         """tiktoken's encoder for this vocabulary, if it gives HF's ids on the probes."""
-        probes = [_PROMPT_PROBE]
+        return FastBpe.load(self.model_dir / "tokenizer.json", self._hf_ids, self._probe_texts())
+
+    def _probe_texts(self) -> list[str]:
+        """The plain probe text, and the probe chat rendered where the template takes it."""
+        texts = [_PROMPT_PROBE]
         if getattr(self.tokenizer, "chat_template", None):
             try:
-                probes.append(self.render(_PROBE))
+                texts.append(self.render(_PROBE))
             except Exception as exc:  # a template may refuse the probe's roles
-                logger.debug("no chat probe for tiktoken's encoder: %s", exc)
-        return FastBpe.load(self.model_dir / "tokenizer.json", self._hf_ids, probes)
+                logger.debug("no chat probe text: %s", exc)
+        return texts
 
     def _build_prefix_cache(self, entries: int, tokens: int) -> PrefixTokenCache | None:
         """A prefix cache keyed on the message marker, if this tokenizer allows one."""
@@ -436,13 +440,7 @@ class ChatTokenizer:
     def _pieces_join_up(self) -> bool:
         """Whether the ids of the probe texts, cut before any word, are those of the whole."""
         assert self._fast is not None
-        texts = [_PROMPT_PROBE]
-        if getattr(self.tokenizer, "chat_template", None):
-            try:
-                texts.append(self.render(_PROBE))
-            except Exception as exc:  # a template may refuse the probe's roles
-                logger.debug("no chat probe for split encoding: %s", exc)
-        for text in texts:
+        for text in self._probe_texts():
             whole = self.encode_text(text)
             for p in range(1, len(text)):
                 if is_word_start(text, p) and (
