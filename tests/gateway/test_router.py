@@ -15,6 +15,7 @@ from gateway.routing.router import (
     RouterConfig,
     RouteRequest,
     WorkerState,
+    typical_prefill_rate,
     worker_load,
     worker_queue,
 )
@@ -41,6 +42,29 @@ def test_predicted_ttft_hand_computed() -> None:
     # fully cached: the last token is still computed
     w = WorkerState("c", cached_blocks=10)
     assert router.predicted_ttft(req(160), w) == pytest.approx(1 / 1000)
+
+
+def test_an_untried_worker_is_assumed_as_fast_as_the_fleet_median() -> None:
+    assert typical_prefill_rate([0.0, 9000.0, 3000.0, 0.0], 5000.0) == 6000.0
+    assert typical_prefill_rate([0.0, 9000.0, 3000.0, 4000.0], 5000.0) == 4000.0
+    assert typical_prefill_rate([0.0, 0.0], 5000.0) == 5000.0
+    router = Router(RouterConfig(decode_weight_s=0.01))
+    # Two workers have measured 9k tokens/s and are busy decoding; two have never
+    # prefilled. Against the default 5k the untried ones would predict 2088 / 5000 =
+    # 0.42 s and lose every cold request to the busy ones (0.23 + 0.03 s).
+    busy = [WorkerState(f"b{i}", 0, running=3, prefill_tokens_per_s=9000.0) for i in range(2)]
+    untried = [WorkerState(f"u{i}", 0) for i in range(2)]
+    for others in (0, 38):  # the small-fleet path, then the numpy path
+        fleet = (
+            busy
+            + untried
+            + [
+                WorkerState(f"z{i}", 0, running=3, prefill_tokens_per_s=9000.0)
+                for i in range(others)
+            ]
+        )
+        assert router.choose(req(2088), fleet).worker_id.startswith("u")
+    assert router.predicted_ttft(req(2088), untried[0], 9000.0) == pytest.approx(2088 / 9000)
 
 
 def test_longest_cache_wins_and_says_cache() -> None:
@@ -346,7 +370,10 @@ def _reference_choice(router: Router, request: RouteRequest, ws: list[WorkerStat
     fleet = max(cached.values())
     fills = [w.cache_fill for w in ws if w.cache_fill is not None and cached[w.worker_id] == fleet]
     holder_fill = min(fills) if fleet > 0 and fills else None
-    cost = {w.worker_id: router.score(request, w, fleet, holder_fill) for w in ws}
+    typical = typical_prefill_rate(
+        [w.prefill_tokens_per_s for w in ws], router.config.default_prefill_tokens_per_s
+    )
+    cost = {w.worker_id: router.score(request, w, fleet, holder_fill, typical) for w in ws}
     best = min(cost[w.worker_id] for w in eligible)
     tied = [w for w in eligible if cost[w.worker_id] <= best * (1 + TIE_RELATIVE) + TIE_ABSOLUTE_S]
     if request.session_worker in {w.worker_id for w in tied} and len(tied) > 1:
