@@ -144,6 +144,9 @@ class _Worker:
     current_tokens: int = 0
     queued_estimate: int = 0
     decoding: int = 0
+    # The prefill rate the engine reports: 0 until its first prefill has been timed
+    # (``worker.engine.types.RateMeter``), so the router must assume one for it.
+    measured_rate: float = 0.0
 
     def live_state(self, now: float) -> tuple[int, int, int, int]:
         """(running, waiting, queued prefill tokens, free blocks) as the engine reports them."""
@@ -213,6 +216,7 @@ class FleetSimulation:
         self.snapshot: dict[str, tuple[int, int, int, int]] = {
             wid: (0, 0, 0, w.cache.free_blocks) for wid, w in self.workers.items()
         }
+        self.reported_rate = dict.fromkeys(ids, 0.0)  # the heartbeats' prefill rates
         self.gateways = [GatewayView(ids) for _ in range(config.replicas)]
         for i, view in enumerate(self.gateways):
             view.route = make_route(self, view, replica=i)
@@ -320,6 +324,7 @@ class FleetSimulation:
         if rec.stored:
             self._push(now + self.cfg.event_delay_s, _STORED, (w.wid, rec.stored))
         w.current = None
+        w.measured_rate = self.cfg.prefill_tokens_per_s
         w.decoding += 1
         decode = max(rec.shape.output_tokens - 1, 0) * self.cfg.decode_step_s
         self._push(now + decode, _FINISH, rec)
@@ -361,6 +366,7 @@ class FleetSimulation:
     def _heartbeat(self, now: float, _: object) -> None:
         for wid, w in self.workers.items():
             self.snapshot[wid] = w.live_state(now)
+            self.reported_rate[wid] = w.measured_rate
         for view in self.gateways:
             for finishes in view.finished_at.values():
                 finishes.clear()  # the new snapshot already counts them
@@ -378,7 +384,9 @@ class FleetSimulation:
         if cfg.heartbeat_s == 0:
             running, waiting, queued, _ = self.workers[wid].live_state(now)
             queued = max(queued, view.pending_prefill[wid])
+            rate = self.workers[wid].measured_rate
         else:
+            rate = self.reported_rate[wid]
             running, waiting, queued, _ = self.snapshot[wid]
             running, waiting, queued = corrected_load(
                 running, waiting, queued, len(view.finished_at[wid]), view.pending_prefill[wid]
@@ -389,7 +397,7 @@ class FleetSimulation:
             running=running,
             waiting=waiting,
             queued_prefill_tokens=queued,
-            prefill_tokens_per_s=cfg.prefill_tokens_per_s,
+            prefill_tokens_per_s=rate,
             inflight=view.inflight[wid],
             pending=view.pending[wid],
             held_blocks=view.index.block_count(wid),

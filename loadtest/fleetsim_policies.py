@@ -66,7 +66,6 @@ def make_route(sim: FleetSimulation, view: GatewayView, replica: int = 0) -> Rou
         RouterConfig(
             policy=cfg.policy,
             balance_factor=cfg.balance_factor,
-            default_prefill_tokens_per_s=cfg.prefill_tokens_per_s,
             seed=cfg.seed,
             **extra,
         ),

@@ -56,6 +56,17 @@ def test_ttft_is_queue_wait_plus_uncached_prefill() -> None:
     assert rd.cached_tokens == 199 and rd.ttft_s == pytest.approx(0.2 + 0.001)
 
 
+def test_a_worker_reports_its_prefill_rate_once_it_has_prefilled() -> None:
+    # As an engine's RateMeter does: 0 (unknown) until a prefill has been timed, and
+    # with heartbeats, only from the next heartbeat on.
+    for heartbeat_s in (0.0, 1.0):
+        sim = FleetSimulation(replace(ONE_WORKER, heartbeat_s=heartbeat_s))
+        view = sim.gateways[0]
+        assert sim.worker_state(view, "w0", 0, now=0.0).prefill_tokens_per_s == 0.0
+        sim.run([shape("a", 0.0, (1, 2), 250)])
+        assert sim.worker_state(view, "w0", 0, now=9.0).prefill_tokens_per_s == 1000.0
+
+
 def test_a_full_batch_holds_the_next_prefill_until_a_sequence_finishes() -> None:
     cfg = replace(ONE_WORKER, max_num_seqs=1)
     a = shape("a", 0.0, (1, 2), 250)  # prefill 0.25 s, then 10 decode steps: done at 1.25 s
