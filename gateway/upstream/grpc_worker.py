@@ -28,7 +28,13 @@ import grpc
 
 from contract import worker_pb2, worker_pb2_grpc
 from contract.grpc_auth import METADATA_KEY, bearer
-from gateway.upstream.base import Chunk, Generation, UpstreamCall, UpstreamError
+from gateway.upstream.base import (
+    Chunk,
+    Generation,
+    UpstreamCall,
+    UpstreamError,
+    read_with_timeout,
+)
 from gateway.upstream.frames_call import FramedStream
 from gateway.upstream.grpc_mux import MuxCall, MuxStream
 from openai_api.errors import APIError
@@ -167,6 +173,9 @@ class _GrpcCall:
         if msg is grpc.aio.EOF:
             return None
         return to_chunk(msg)
+
+    async def read_within(self, limit_s: float) -> Chunk | None:
+        return await read_with_timeout(self, limit_s)
 
     def cancel(self) -> None:
         self._cancelled = True

@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.upstream.base import Chunk, Generation, UpstreamError
+from gateway.upstream.base import Chunk, Generation, UpstreamError, read_with_timeout
 from openai_api.errors import APIError
 from openai_api.logprobs import TokenLogprobs
 
@@ -152,6 +152,9 @@ class _HttpCall:
         except aiohttp.ClientError as exc:
             self.cancel()
             raise _unreachable(exc) from exc
+
+    async def read_within(self, limit_s: float) -> Chunk | None:
+        return await read_with_timeout(self, limit_s)
 
     async def _open(self) -> None:
         session = self._upstream.session()

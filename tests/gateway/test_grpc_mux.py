@@ -162,6 +162,37 @@ async def test_the_deadline_fails_the_call_and_aborts_it_on_the_worker(transport
         await worker.stop()
 
 
+async def test_read_within_times_out_a_silent_worker_and_the_call_goes_on(transport: str) -> None:
+    # The dispatcher's inter-token timeout: nothing within the limit is a TimeoutError,
+    # a chunk already here or arriving in time is read, and a cancel still cancels.
+    worker = await FakeWorker("w1", [5, 6, 7, 8, 9], delay_s=0.4).start(
+        frames=transport == "frames"
+    )
+    upstream = GrpcUpstream()
+    try:
+        call = _start(upstream, worker, _generation([1]), 10)
+        with pytest.raises(TimeoutError):
+            await call.read_within(0.05)
+        first = await call.read_within(5.0)
+        assert first is not None and list(first.token_ids) == [5]
+        await asyncio.sleep(0.9)  # the next two are here before they are read
+        here = [await call.read_within(0.001) for _ in range(2)]
+        assert [list(c.token_ids) for c in here if c is not None] == [[6], [7]]
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call.read_within(5.0)
+        # one Generate call per request (no stream): the same TimeoutError
+        single = GrpcUpstream(mux=False)
+        try:
+            with pytest.raises(TimeoutError):
+                await _start(single, worker, _generation([2]), 10).read_within(0.05)
+        finally:
+            await single.close()
+    finally:
+        await upstream.close()
+        await worker.stop()
+
+
 async def test_cancel_aborts_the_call_on_the_worker_and_the_stream_goes_on(transport: str) -> None:
     worker = await FakeWorker("w1", list(range(100, 140)), delay_s=0.05).start(
         frames=transport == "frames"
