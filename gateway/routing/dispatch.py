@@ -17,7 +17,6 @@ The request path (``gateway.request_path``) calls these steps in order:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from contract.hashing import HashSpec
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RequestRecord, RollingStats
 from gateway.routing.index import BlockIndex
-from gateway.routing.jobs import Candidates, Job, Stream, first_chunk, stream_interval
+from gateway.routing.jobs import Candidates, Job, Stream, stream_interval
 from gateway.routing.load import GatewayLoad, router_view
 from gateway.routing.mirror import IndexMirror
 from gateway.routing.mirror_state import WorkerEntry
@@ -440,8 +439,9 @@ class Dispatcher:
             upstream.forget(worker_id)
 
     async def _first_chunk(self, wid: str, call: UpstreamCall) -> Chunk:
-        """``_first_chunk``, given up (retryably) when the worker leaves or stalls, or at the
-        first-token timeout.
+        """The call's first chunk with a token (or its end). Given up, retryably, when
+        the worker leaves or stalls, at the first-token timeout, or when the stream
+        ends before a token.
 
         A request queued on a worker that deregistered (drain), whose heartbeat
         lapsed (SIGSTOP, crash) or whose engine stalled has no token yet, so
@@ -449,15 +449,14 @@ class Dispatcher:
         """
         limit = self.first_token_timeout_s
         give_up = time.monotonic() + limit
-        task = asyncio.ensure_future(first_chunk(call))
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=_WATCH_S)
-                if done:
-                    return task.result()
+        while True:
+            try:
+                chunk = await call.read_within(_WATCH_S)
+            except TimeoutError:
                 entry = self.mirror.workers.get(wid)
                 gone = entry is None or self._left(entry)
                 if gone or time.monotonic() >= give_up:
+                    call.cancel()
                     why = "the worker left or stalled" if gone else f"none within {limit:g}s"
                     raise UpstreamError(
                         f"no first token: {why}",
@@ -465,12 +464,18 @@ class Dispatcher:
                         api_error=APIError(
                             504, "no worker produced a first token in time", code="timeout"
                         ),
-                    )
-        finally:
-            if not task.done():
-                task.cancel()
-                call.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                    ) from None
+                continue
+            if chunk is None:
+                raise UpstreamError(
+                    "stream ended without a token",
+                    retryable=True,
+                    api_error=APIError(
+                        502, "the worker ended the stream early", code="worker_error"
+                    ),
+                )
+            if chunk.token_ids or chunk.finished:
+                return chunk
 
 
 def _deepest_block(cands: Candidates, cached: dict[str, int]) -> int | None:

@@ -125,20 +125,6 @@ class Stream:
         self._d.finished(self, cached_tokens)
 
 
-async def first_chunk(call: UpstreamCall) -> Chunk:
-    """Reads until the worker produced a token (or finished); EOF before that is retryable."""
-    while True:
-        chunk = await call.read()
-        if chunk is None:
-            raise UpstreamError(
-                "stream ended without a token",
-                retryable=True,
-                api_error=APIError(502, "the worker ended the stream early", code="worker_error"),
-            )
-        if chunk.token_ids or chunk.finished:
-            return chunk
-
-
 def stream_interval(fixed: int, open_streams: int) -> int:
     """Tokens per worker message for the next request (``--stream-interval``; 0 = auto).
 

@@ -11,7 +11,7 @@ request to the next worker; after it they end the stream in-band.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,7 +73,10 @@ class UpstreamCall(Protocol):
         ...
 
     async def read_within(self, limit_s: float) -> Chunk | None:
-        """``read``, or ``TimeoutError`` when nothing arrives within ``limit_s``."""
+        """``read``, or ``TimeoutError`` when nothing arrives within ``limit_s``.
+
+        A timeout leaves the call as it was: a later read gets what arrives.
+        """
         ...
 
     def cancel(self) -> None:
@@ -81,10 +84,31 @@ class UpstreamCall(Protocol):
         ...
 
 
-async def read_with_timeout(call: UpstreamCall, limit_s: float) -> Chunk | None:
-    """``call.read()`` under ``asyncio.timeout``: ``read_within`` for a call with no cheaper way."""
-    async with asyncio.timeout(limit_s):
-        return await call.read()
+class PatientRead:
+    """``read_within`` for a call whose pending read cannot be interrupted without ending
+    the call (a gRPC read cancelled by a timeout cancels its RPC): the read runs as a
+    task that a timeout leaves running, and the next ``within`` waits on it again."""
+
+    def __init__(self, read: Callable[[], Awaitable[Chunk | None]]) -> None:
+        self._read = read
+        self._task: asyncio.Future[Chunk | None] | None = None
+
+    async def within(self, limit_s: float) -> Chunk | None:
+        task = self._task
+        if task is None:
+            task = self._task = asyncio.ensure_future(self._read())
+        done, _ = await asyncio.wait((task,), timeout=limit_s)
+        if not done:
+            raise TimeoutError
+        self._task = None
+        return task.result()
+
+    def cancel(self) -> None:
+        """Drops a read still pending (its call is being cancelled); a call that cancels
+        itself from inside that read lets the read end with its own error."""
+        task, self._task = self._task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
 
 
 class Upstream(Protocol):

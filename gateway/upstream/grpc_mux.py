@@ -37,7 +37,7 @@ import grpc
 
 from contract import call_frames
 from contract import worker_pb2 as pb
-from gateway.upstream.base import Chunk, UpstreamError, read_with_timeout
+from gateway.upstream.base import Chunk, UpstreamError
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +109,10 @@ class MuxCall:
         ``stream_128``).
         """
         while not self._items:
-            if self._delegate is not None or self._cancelled:
-                return await read_with_timeout(self, limit_s)
+            if self._delegate is not None:
+                return await self._delegate.read_within(limit_s)  # type: ignore[no-any-return]
+            if self._cancelled:
+                raise asyncio.CancelledError
             loop = asyncio.get_running_loop()
             waiter = loop.create_future()
             self._waiter = waiter

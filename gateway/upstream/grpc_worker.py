@@ -31,9 +31,9 @@ from contract.grpc_auth import METADATA_KEY, bearer
 from gateway.upstream.base import (
     Chunk,
     Generation,
+    PatientRead,
     UpstreamCall,
     UpstreamError,
-    read_with_timeout,
 )
 from gateway.upstream.frames_call import FramedStream
 from gateway.upstream.grpc_mux import MuxCall, MuxStream
@@ -159,6 +159,7 @@ class _GrpcCall:
     def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
         self._call = call
         self._cancelled = False
+        self._patient = PatientRead(self.read)
 
     async def read(self) -> Chunk | None:
         try:
@@ -175,10 +176,11 @@ class _GrpcCall:
         return to_chunk(msg)
 
     async def read_within(self, limit_s: float) -> Chunk | None:
-        return await read_with_timeout(self, limit_s)
+        return await self._patient.within(limit_s)
 
     def cancel(self) -> None:
         self._cancelled = True
+        self._patient.cancel()
         self._call.cancel()
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.upstream.base import Chunk, Generation, UpstreamError, read_with_timeout
+from gateway.upstream.base import Chunk, Generation, PatientRead, UpstreamError
 from openai_api.errors import APIError
 from openai_api.logprobs import TokenLogprobs
 
@@ -136,6 +136,7 @@ class _HttpCall:
         self._finish: Chunk | None = None  # a finished chunk waiting for the usage chunk
         self._done = False
         self._cancelled = False
+        self._patient = PatientRead(self.read)
 
     async def read(self) -> Chunk | None:
         if self._done:
@@ -154,7 +155,7 @@ class _HttpCall:
             raise _unreachable(exc) from exc
 
     async def read_within(self, limit_s: float) -> Chunk | None:
-        return await read_with_timeout(self, limit_s)
+        return await self._patient.within(limit_s)
 
     async def _open(self) -> None:
         session = self._upstream.session()
@@ -215,6 +216,7 @@ class _HttpCall:
     def cancel(self) -> None:
         """Closes the connection: vLLM aborts a request whose client went away."""
         self._cancelled = not self._done
+        self._patient.cancel()
         self._close()
 
     def _close(self) -> None:

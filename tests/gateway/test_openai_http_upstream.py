@@ -72,6 +72,9 @@ class FakeWorker:
                             return resp
                         await asyncio.sleep(0.05)
                     continue
+                if item == "pause":  # a slow step
+                    await asyncio.sleep(0.3)
+                    continue
                 if item == "cut":
                     return resp  # ends the stream without [DONE] or a finish
                 data = item if isinstance(item, str) else json.dumps(item)
@@ -183,6 +186,28 @@ async def test_cancel_closes_the_connection(worker: tuple[FakeWorker, str]) -> N
     assert await call.read() == Chunk([5])
     call.cancel()
     await asyncio.wait_for(fake.closed_early.wait(), 3.0)  # the worker saw its client go
+    await up.close()
+
+
+async def test_read_within_leaves_a_slow_stream_readable(worker: tuple[FakeWorker, str]) -> None:
+    # The dispatcher polls for the first token every 0.25 s: a poll that times out must
+    # not end the call, and a cancel after one still closes the connection.
+    fake, address = worker
+    fake.script = [_chunk([5]), "pause", _chunk([6], "stop"), USAGE, "[DONE]"]
+    up = OpenAIHTTPUpstream()
+    call = up.start("w", address, GEN, 10.0)
+    assert await call.read_within(5.0) == Chunk([5])
+    with pytest.raises(TimeoutError):
+        await call.read_within(0.05)
+    last = await call.read_within(5.0)
+    assert last is not None and list(last.token_ids) == [6] and last.finished
+    fake.script, fake.closed_early = [_chunk([5]), "sleep", _chunk([6], "stop")], asyncio.Event()
+    call = up.start("w", address, GEN, 10.0)
+    assert await call.read_within(5.0) == Chunk([5])
+    with pytest.raises(TimeoutError):
+        await call.read_within(0.05)
+    call.cancel()
+    await asyncio.wait_for(fake.closed_early.wait(), 3.0)
     await up.close()
 
 
