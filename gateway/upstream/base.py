@@ -19,9 +19,10 @@ from openai_api.errors import APIError
 from openai_api.logprobs import TokenLogprobs
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen, as ``Chunk``: built and copied per request
 class Generation:
-    """What one worker is asked to do: continue ``prompt_ids`` under these options."""
+    """What one worker is asked to do: continue ``prompt_ids`` under these options (treat as
+    read-only)."""
 
     request_id: str
     prompt_ids: Sequence[int]
@@ -44,9 +45,11 @@ class Generation:
     stream_interval: int = 0  # tokens per worker message after the first (0: the worker's)
 
 
-@dataclass(frozen=True)
+# Not frozen: one is built per worker message (129 for a 128-token stream), and a
+# frozen dataclass's __init__ costs 3.3x as much (0.67 against 0.20 us).
+@dataclass(slots=True)
 class Chunk:
-    """New token ids from the worker; the last one has ``finished`` set."""
+    """New token ids from the worker; the last one has ``finished`` set (treat as read-only)."""
 
     token_ids: Sequence[int]
     finished: bool = False

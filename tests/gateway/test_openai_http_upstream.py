@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -114,7 +115,7 @@ def test_request_body_carries_token_ids_and_sampling() -> None:
     assert body["return_token_ids"] is True
     assert body["top_p"] == 1.0 and body["top_k"] == 0  # 0 = off in kvroute, vLLM's off values
     assert body["seed"] == 7 and body["stop_token_ids"] == [2] and body["cache_salt"] == "tenant-a"
-    assert "cache_salt" not in completion_body(Generation(**{**GEN.__dict__, "cache_salt": ""}))
+    assert "cache_salt" not in completion_body(replace(GEN, cache_salt=""))
     assert "model" not in body  # vLLM serves one model and takes it as the default
 
 
