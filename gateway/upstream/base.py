@@ -100,6 +100,8 @@ class PatientRead:
         task = self._task
         if task is None:
             task = self._task = asyncio.ensure_future(self._read())
+            # A read that fails after its call gave up on it is not an unhandled error.
+            task.add_done_callback(_mark_retrieved)
         done, _ = await asyncio.wait((task,), timeout=limit_s)
         if not done:
             raise TimeoutError
@@ -112,6 +114,11 @@ class PatientRead:
         task, self._task = self._task, None
         if task is not None and task is not asyncio.current_task():
             task.cancel()
+
+
+def _mark_retrieved(task: asyncio.Future[Chunk | None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class Upstream(Protocol):
