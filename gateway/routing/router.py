@@ -70,7 +70,12 @@ The ``kvroute`` policy, step by step:
    ``session``'s 0.013 s on 4 workers, 0.014 s with it).
    docs/ROUTING.md has the sweep behind each rule.
 4. Workers within ``TIE_RELATIVE`` (plus ``TIE_ABSOLUTE_S``) of the best score are tied: the
-   session's last worker wins a tie, then the emptiest cache (fills within
+   session's last worker wins a tie, then, when the longest cached prefix is at least
+   half the prompt and no other request lately wanted it (the conversation's own
+   history), the workers holding it: a gateway that restarted, or a replica that
+   never saw the session, keeps the conversation where its history is instead of
+   sending it to an empty cache, where every small prompt predicts within
+   ``TIE_ABSOLUTE_S`` of any other. Then the emptiest cache (fills within
    ``FILL_TIE`` are equal; a request that evicts nothing there costs the
    fleet nothing), then the least loaded, then rotation. Without the fill
    step, cold requests while caches fill went by load alone and piled onto
@@ -350,6 +355,13 @@ class Router:
         return 1.0 + (self.config.shared_fill_gain - 1.0) * (1.0 - 1.0 / demand)
 
     @staticmethod
+    def _keeps_history(request: RouteRequest, fleet_cached_tokens: float) -> bool:
+        """Whether a tie goes to the holder of the longest cached prefix before the emptiest
+        cache (step 4): when that prefix is most of the prompt and only this request wants
+        it, i.e. the conversation's own history, as a session would keep it."""
+        return request.prefix_demand <= 1.0 and 2 * fleet_cached_tokens >= request.prompt_tokens
+
+    @staticmethod
     def _share(request: RouteRequest, fleet_cached_tokens: float) -> float:
         """The fraction of the prompt that the longest cached prefix covers, over the
         square root of the prefix's demand (step 3)."""
@@ -396,6 +408,9 @@ class Router:
         if session is not None and len(tied) > 1:
             chosen, reason = session, "session"
         else:
+            if self._keeps_history(request, fleet_cached):
+                holding = tied[cached[tied] == fleet_cached]
+                tied = holding if len(holding) else tied
             chosen = self._least_loaded_rotating(tied, fill, known, load)
             if blocks[chosen] > 0:
                 reason = "cache"
@@ -464,6 +479,8 @@ class Router:
         if session is not None and len(tied) > 1:
             chosen, reason = session, "session"
         else:
+            if self._keeps_history(request, fleet_cached):
+                tied = [i for i in tied if cached[i] == fleet_cached] or tied
             chosen = self._least_loaded_rotating_small(tied, fill, known, load)
             if ws[chosen].cached_blocks > 0:
                 reason = "cache"

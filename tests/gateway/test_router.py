@@ -356,6 +356,22 @@ def test_a_tie_goes_to_the_emptiest_cache_before_the_least_loaded() -> None:
     assert router.choose(req(160), [WorkerState("a", 0), empty]).worker_id == "a"
 
 
+def test_a_tie_keeps_a_conversation_where_its_history_is() -> None:
+    # After a gateway restart there is no session: a small follow-up predicts within
+    # TIE_ABSOLUTE_S everywhere, and its history's holder wins the tie, not the emptiest
+    # cache. A prefix many requests want (a system prompt) still spreads to the emptiest.
+    router = Router(RouterConfig(decode_weight_s=0.0, default_prefill_tokens_per_s=50_000.0))
+    holder = WorkerState("a", 5, held_blocks=400, capacity_blocks=512)
+    empty = WorkerState("b", 0, held_blocks=0, capacity_blocks=512)
+    for others in (0, 40):  # the small-fleet path, then the numpy path
+        fleet = [holder, empty] + [
+            WorkerState(f"z{i:02d}", 0, held_blocks=300, capacity_blocks=512) for i in range(others)
+        ]
+        assert router.choose(req(96), fleet).worker_id == "a"
+        assert router.choose(req(96, demand=5.0), fleet).worker_id == "b"
+        assert router.choose(req(400), fleet).worker_id == "b"  # 80 of 400 tokens: no
+
+
 def _reference_choice(router: Router, request: RouteRequest, ws: list[WorkerState]) -> str:
     """Steps 2-4 of the kvroute policy one worker at a time, as the docstring states them.
 
@@ -378,6 +394,8 @@ def _reference_choice(router: Router, request: RouteRequest, ws: list[WorkerStat
     tied = [w for w in eligible if cost[w.worker_id] <= best * (1 + TIE_RELATIVE) + TIE_ABSOLUTE_S]
     if request.session_worker in {w.worker_id for w in tied} and len(tied) > 1:
         return request.session_worker
+    if request.prefix_demand <= 1.0 and 2 * fleet >= request.prompt_tokens:
+        tied = [w for w in tied if cached[w.worker_id] == fleet] or tied
     known = [w.cache_fill for w in tied if w.cache_fill is not None]
     if len(tied) > 1 and len(known) == len(tied):
         tied = [
