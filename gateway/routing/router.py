@@ -381,9 +381,9 @@ class Router:
         cols = np.array(list(map(_COLUMNS, ws)), dtype=np.float64).reshape(n, len(_FIELDS))
         blocks, running, waiting, queued, rate, inflight, pending, held, capacity = cols.T
         measured = rate > 0
-        if not measured.all():
-            typical = float(np.median(rate[measured])) if measured.any() else None
-            rate = np.where(measured, rate, typical or cfg.default_prefill_tokens_per_s)
+        if not measured.all():  # rare once running: a worker that has not prefilled yet
+            typical = typical_prefill_rate(rate.tolist(), cfg.default_prefill_tokens_per_s)
+            rate = np.where(measured, rate, typical)
         load = np.maximum(running + waiting, inflight)
         over = self._over(np.maximum(waiting, pending), queued / rate)
         cached = np.minimum(blocks * request.block_size, request.prompt_tokens)
