@@ -240,6 +240,14 @@ def typical_prefill_rate(rates: Sequence[float], default: float) -> float:
     return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
 
 
+def with_typical_rates(rates: list[float], default: float) -> list[float]:
+    """``rates`` with every unmeasured one (0) replaced by ``typical_prefill_rate``."""
+    if all(r > 0 for r in rates):
+        return rates
+    typical = typical_prefill_rate(rates, default)
+    return [r if r > 0 else typical for r in rates]
+
+
 def worker_load(w: WorkerState) -> int:
     """Outstanding requests on ``w`` (see step 1 of the module docstring)."""
     return max(w.running + w.waiting, w.inflight)
@@ -380,10 +388,8 @@ class Router:
         n, cfg = len(ws), self.config
         cols = np.array(list(map(_COLUMNS, ws)), dtype=np.float64).reshape(n, len(_FIELDS))
         blocks, running, waiting, queued, rate, inflight, pending, held, capacity = cols.T
-        measured = rate > 0
-        if not measured.all():  # rare once running: a worker that has not prefilled yet
-            typical = typical_prefill_rate(rate.tolist(), cfg.default_prefill_tokens_per_s)
-            rate = np.where(measured, rate, typical)
+        if not (rate > 0).all():  # rare once running: a worker that has not prefilled yet
+            rate = np.array(with_typical_rates(rate.tolist(), cfg.default_prefill_tokens_per_s))
         load = np.maximum(running + waiting, inflight)
         over = self._over(np.maximum(waiting, pending), queued / rate)
         cached = np.minimum(blocks * request.block_size, request.prompt_tokens)
@@ -434,10 +440,9 @@ class Router:
     def _kvroute_small(self, request: RouteRequest, ws: list[WorkerState]) -> Decision:
         # ``_kvroute``'s steps, operation for operation, one worker at a time.
         n, cfg, bs, prompt = len(ws), self.config, request.block_size, request.prompt_tokens
-        rate = [w.prefill_tokens_per_s for w in ws]
-        if not all(r > 0 for r in rate):
-            typical = typical_prefill_rate(rate, cfg.default_prefill_tokens_per_s)
-            rate = [r if r > 0 else typical for r in rate]
+        rate = with_typical_rates(
+            [w.prefill_tokens_per_s for w in ws], cfg.default_prefill_tokens_per_s
+        )
         load = [max(w.running + w.waiting, w.inflight) for w in ws]
         queues = [float(max(w.waiting, w.pending)) for w in ws]
         work_s = [w.queued_prefill_tokens / r for w, r in zip(ws, rate, strict=True)]
@@ -518,8 +523,9 @@ class Router:
     def overloaded(self, workers: Sequence[WorkerState]) -> set[str]:
         """Ids of workers over the bounded-load limit (step 2), empty if all would be."""
         rates = [w.prefill_tokens_per_s for w in workers]
-        typical = typical_prefill_rate(rates, self.config.default_prefill_tokens_per_s)
-        rate = np.array([r if r > 0 else typical for r in rates], dtype=np.float64)
+        rate = np.array(
+            with_typical_rates(rates, self.config.default_prefill_tokens_per_s), dtype=np.float64
+        )
         queues = np.array([worker_queue(w) for w in workers], dtype=np.float64)
         work_s = np.array([w.queued_prefill_tokens for w in workers], dtype=np.float64) / rate
         over = self._over(queues, work_s)
