@@ -251,6 +251,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         dispatcher.forget(worker_id)
 
     mirror.on_drop = on_drop
+    mirror.on_discover = dispatcher.connect
     if config.replica_sync:
         dispatcher.replicas = ReplicaSync(
             mirror._client,

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 from contract.hashing import HashSpec
+from contract.redis_layout import WorkerRecord
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RequestRecord, RollingStats
 from gateway.routing.index import BlockIndex
@@ -424,6 +425,12 @@ class Dispatcher:
                 cached_tokens=cached_tokens or 0,
             )
         )
+
+    def connect(self, worker_id: str, record: WorkerRecord) -> None:
+        """Connects ahead of time to a worker that joined the registry."""
+        upstream = self.upstreams.get(record.transport or DEFAULT_TRANSPORT)
+        if upstream is not None:
+            upstream.connect(worker_id, record.address, frames_address=record.frames_address)
 
     def forget(self, worker_id: str) -> None:
         """Drops per-worker state of a worker that left the registry.

@@ -145,6 +145,8 @@ class RegistrySync(MirrorState):
             self.workers[wid] = WorkerEntry(record=record, spec=spec_from_record(record))
             logger.info("worker %s discovered at %s (epoch %s)", wid, record.address, record.epoch)
             self._queue_load(wid)
+            if self.on_discover is not None:
+                self.on_discover(wid, record)
         else:
             entry.record = record
 

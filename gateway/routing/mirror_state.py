@@ -93,6 +93,8 @@ class MirrorState:
             fleet_loss_grace_s, registry if registry is not None else CollectorRegistry()
         )
         self.on_drop = on_drop
+        # Called with a worker's id and record when it joins (or restarts with a new epoch).
+        self.on_discover: Callable[[str, WorkerRecord], None] | None = None
         self.workers: dict[str, WorkerEntry] = {}
         # Bumped whenever a worker comes, goes or gets a new record: readers that
         # derive something from every record (``Dispatcher.healthy``) redo it then.

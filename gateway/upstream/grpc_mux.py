@@ -180,7 +180,7 @@ class MuxCall:
 
 
 class MuxStream:
-    """The ``GenerateMany`` stream to one worker, opened on first use."""
+    """The ``GenerateMany`` stream to one worker, opened by ``open`` or on first use."""
 
     def __init__(
         self,
@@ -206,8 +206,7 @@ class MuxStream:
 
     def start(self, request: pb.GenerateRequest, timeout_s: float) -> MuxCall:
         """Sends ``request`` as a new call on this stream."""
-        if self._call is None:
-            self._open()
+        self.open()
         call_id = self._next_id
         self._next_id += 1
         call = MuxCall(self, call_id, request, timeout_s)
@@ -247,7 +246,10 @@ class MuxStream:
 
     # -- the stream's two tasks ----------------------------------------------------
 
-    def _open(self) -> None:
+    def open(self) -> None:
+        """Opens the stream (connecting to the worker) unless it is open already."""
+        if self._call is not None:
+            return
         self._call = self._open_stream()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._write_loop()), loop.create_task(self._read_loop())]

@@ -274,6 +274,16 @@ class GrpcUpstream:
             entry.mux = self._open_mux(entry)
         return entry.mux.start(request, timeout_s)
 
+    def connect(self, worker_id: str, address: str, *, frames_address: str = "") -> None:
+        """Opens the connection (and stream) to a worker that just joined, so that its
+        first request does not wait for the handshakes."""
+        entry = self.worker(worker_id, address, frames_address)
+        if not self.mux:
+            entry.channel.get_state(try_to_connect=True)
+        elif entry.mux is None or (entry.mux.dead and not entry.mux.unimplemented):
+            entry.mux = self._open_mux(entry)
+            entry.mux.open()
+
     def _generate(
         self,
         stub: worker_pb2_grpc.WorkerStub,

@@ -256,6 +256,9 @@ class OpenAIHTTPUpstream:
             self, f"{base.rstrip('/')}/v1/completions", completion_body(generation), timeout_s
         )
 
+    def connect(self, worker_id: str, address: str, *, frames_address: str = "") -> None:
+        """Nothing ahead of time: the pool opens connections as requests need them."""
+
     def forget(self, worker_id: str) -> None:
         """Nothing per worker: connections are pooled by address and expire on their own."""
 

@@ -10,6 +10,7 @@ unstreamed, and many at once on the one connection.
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,14 @@ def _complete(client: object, model: str, prompt: list[int], stream: bool) -> st
     if not stream:
         return str(completions.create(**args).choices[0].text)
     return "".join(c.choices[0].text for c in completions.create(**args, stream=True) if c.choices)
+
+
+def test_the_gateway_connects_to_a_worker_it_discovers_before_any_request(pair: Pair) -> None:
+    # Runs first in this module: no request has been sent through the pair yet.
+    deadline = time.monotonic() + 20
+    while _frames_connections(pair) < 1:
+        assert time.monotonic() < deadline, "the gateway never connected to the frames port"
+        time.sleep(0.1)
 
 
 def test_requests_ride_the_frames_port_and_answer_as_the_worker_does(pair: Pair) -> None:

@@ -214,6 +214,21 @@ async def test_cancel_aborts_the_call_on_the_worker_and_the_stream_goes_on(trans
         await worker.stop()
 
 
+async def test_connect_opens_the_stream_before_the_first_request(transport: str) -> None:
+    worker = await EchoWorker("w1").start(frames=transport == "frames")
+    upstream = GrpcUpstream()
+    try:
+        upstream.connect(worker.worker_id, worker.address, frames_address=worker.frames_address)
+        await eventually(lambda: worker.streams == 1, what="the stream open before a request")
+        upstream.connect(worker.worker_id, worker.address, frames_address=worker.frames_address)
+        served = await _read_all(_start(upstream, worker, _generation([7, 8]), 5))
+        assert [t for c in served for t in c.token_ids] == [7, 8]
+        assert worker.streams_opened == 1  # a second connect and the request reuse it
+    finally:
+        await upstream.close()
+        await worker.stop()
+
+
 async def test_a_lost_worker_fails_its_calls_retryably_and_a_new_stream_opens(
     transport: str,
 ) -> None:
