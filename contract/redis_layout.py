@@ -187,6 +187,9 @@ class WorkerRecord:
     # Seconds since the engine thread last went round its loop, at ``updated_at``:
     # a live heartbeat over a stuck engine still tells gateways to stop routing here.
     engine_step_age_s: float = 0.0
+    # How the worker's GenerateRequest may carry the prompt (contract.prompt_wire):
+    # "le32" = it reads prompt_token_ids_le32 too; "" = packed varints only.
+    prompt_encoding: str = ""
 
     def to_mapping(self) -> dict[str, str]:
         """Flat string values for ``HSET``."""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\nkvroute.v1\"\xba\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12=\n\nlogit_bias\x18\x0c \x03(\x0b\x32).kvroute.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x0e \x01(\t\x12\x0f\n\x07grammar\x18\x0f \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xad\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvroute.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x17\n\x0fstream_interval\x18\x06 \x01(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xbf\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.kvroute.v1.Usage\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.kvroute.v1.TokenLogprob\"f\n\tCallFrame\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12.\n\x07request\x18\x02 \x01(\x0b\x32\x1b.kvroute.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x06\n\x04\x62ody\"3\n\nCallFrames\x12%\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x15.kvroute.v1.CallFrame\"+\n\nCallStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"\x81\x01\n\nReplyFrame\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1c.kvroute.v1.GenerateResponseH\x00\x12(\n\x06status\x18\x03 \x01(\x0b\x32\x16.kvroute.v1.CallStatusH\x00\x42\x06\n\x04\x62ody\"5\n\x0bReplyFrames\x12&\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x16.kvroute.v1.ReplyFrame\"\x0f\n\rHealthRequest\"X\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r2\xd7\x01\n\x06Worker\x12G\n\x08Generate\x12\x1b.kvroute.v1.GenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse0\x01\x12\x43\n\x0cGenerateMany\x12\x16.kvroute.v1.CallFrames\x1a\x17.kvroute.v1.ReplyFrames(\x01\x30\x01\x12?\n\x06Health\x12\x19.kvroute.v1.HealthRequest\x1a\x1a.kvroute.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\nkvroute.v1\"\xba\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12=\n\nlogit_bias\x18\x0c \x03(\x0b\x32).kvroute.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x0e \x01(\t\x12\x0f\n\x07grammar\x18\x0f \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xcc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvroute.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x17\n\x0fstream_interval\x18\x06 \x01(\r\x12\x1d\n\x15prompt_token_ids_le32\x18\x07 \x01(\x0c\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xbf\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.kvroute.v1.Usage\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.kvroute.v1.TokenLogprob\"f\n\tCallFrame\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12.\n\x07request\x18\x02 \x01(\x0b\x32\x1b.kvroute.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x06\n\x04\x62ody\"3\n\nCallFrames\x12%\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x15.kvroute.v1.CallFrame\"+\n\nCallStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"\x81\x01\n\nReplyFrame\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1c.kvroute.v1.GenerateResponseH\x00\x12(\n\x06status\x18\x03 \x01(\x0b\x32\x16.kvroute.v1.CallStatusH\x00\x42\x06\n\x04\x62ody\"5\n\x0bReplyFrames\x12&\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x16.kvroute.v1.ReplyFrame\"\x0f\n\rHealthRequest\"X\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r2\xd7\x01\n\x06Worker\x12G\n\x08Generate\x12\x1b.kvroute.v1.GenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse0\x01\x12\x43\n\x0cGenerateMany\x12\x16.kvroute.v1.CallFrames\x1a\x17.kvroute.v1.ReplyFrames(\x01\x30\x01\x12?\n\x06Health\x12\x19.kvroute.v1.HealthRequest\x1a\x1a.kvroute.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,27 +38,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=401
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=449
   _globals['_GENERATEREQUEST']._serialized_start=474
-  _globals['_GENERATEREQUEST']._serialized_end=647
-  _globals['_USAGE']._serialized_start=649
-  _globals['_USAGE']._serialized_end=729
-  _globals['_TOKENLOGPROB']._serialized_start=731
-  _globals['_TOKENLOGPROB']._serialized_end=801
-  _globals['_GENERATERESPONSE']._serialized_start=804
-  _globals['_GENERATERESPONSE']._serialized_end=995
-  _globals['_CALLFRAME']._serialized_start=997
-  _globals['_CALLFRAME']._serialized_end=1099
-  _globals['_CALLFRAMES']._serialized_start=1101
-  _globals['_CALLFRAMES']._serialized_end=1152
-  _globals['_CALLSTATUS']._serialized_start=1154
-  _globals['_CALLSTATUS']._serialized_end=1197
-  _globals['_REPLYFRAME']._serialized_start=1200
-  _globals['_REPLYFRAME']._serialized_end=1329
-  _globals['_REPLYFRAMES']._serialized_start=1331
-  _globals['_REPLYFRAMES']._serialized_end=1384
-  _globals['_HEALTHREQUEST']._serialized_start=1386
-  _globals['_HEALTHREQUEST']._serialized_end=1401
-  _globals['_HEALTHRESPONSE']._serialized_start=1403
-  _globals['_HEALTHRESPONSE']._serialized_end=1491
-  _globals['_WORKER']._serialized_start=1494
-  _globals['_WORKER']._serialized_end=1709
+  _globals['_GENERATEREQUEST']._serialized_end=678
+  _globals['_USAGE']._serialized_start=680
+  _globals['_USAGE']._serialized_end=760
+  _globals['_TOKENLOGPROB']._serialized_start=762
+  _globals['_TOKENLOGPROB']._serialized_end=832
+  _globals['_GENERATERESPONSE']._serialized_start=835
+  _globals['_GENERATERESPONSE']._serialized_end=1026
+  _globals['_CALLFRAME']._serialized_start=1028
+  _globals['_CALLFRAME']._serialized_end=1130
+  _globals['_CALLFRAMES']._serialized_start=1132
+  _globals['_CALLFRAMES']._serialized_end=1183
+  _globals['_CALLSTATUS']._serialized_start=1185
+  _globals['_CALLSTATUS']._serialized_end=1228
+  _globals['_REPLYFRAME']._serialized_start=1231
+  _globals['_REPLYFRAME']._serialized_end=1360
+  _globals['_REPLYFRAMES']._serialized_start=1362
+  _globals['_REPLYFRAMES']._serialized_end=1415
+  _globals['_HEALTHREQUEST']._serialized_start=1417
+  _globals['_HEALTHREQUEST']._serialized_end=1432
+  _globals['_HEALTHRESPONSE']._serialized_start=1434
+  _globals['_HEALTHRESPONSE']._serialized_end=1522
+  _globals['_WORKER']._serialized_start=1525
+  _globals['_WORKER']._serialized_end=1740
 # @@protoc_insertion_point(module_scope)

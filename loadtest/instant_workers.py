@@ -33,6 +33,7 @@ from aiohttp import web
 from contract import worker_pb2 as pb
 from contract import worker_pb2_grpc
 from contract.hashing import HashSpec
+from contract.prompt_wire import PROMPT_LE32, prompt_ids
 from contract.redis_layout import WorkerRecord
 from loadtest.fleet import free_port
 from loadtest.scale_redis import FakeEngine
@@ -75,7 +76,7 @@ class _InstantGrpc(GenerateManyMixin, worker_pb2_grpc.WorkerServicer):
             finished=True,
             finish_reason="length",
             usage=pb.Usage(
-                prompt_tokens=len(request.prompt_token_ids), completion_tokens=n, cached_tokens=0
+                prompt_tokens=len(prompt_ids(request)), completion_tokens=n, cached_tokens=0
             ),
             worker_id=self.worker_id,
         )
@@ -158,6 +159,7 @@ async def serve_instant_workers(
             worker_id=f"fake-{i}",
             address=f"127.0.0.1:{port}",
             frames_address=f"127.0.0.1:{frames_port}",
+            prompt_encoding=PROMPT_LE32,
             model=MODEL,
             hash_spec=spec.describe(),
             block_size=16,

@@ -296,6 +296,7 @@ class Dispatcher:
                 generation,
                 max(0.001, deadline - now),
                 frames_address=entry.record.frames_address,
+                prompt_encoding=entry.record.prompt_encoding,
             )
             if on_sent is not None:
                 on_sent()

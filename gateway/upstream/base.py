@@ -132,6 +132,7 @@ class Upstream(Protocol):
         timeout_s: float,
         *,
         frames_address: str = "",
+        prompt_encoding: str = "",
     ) -> UpstreamCall: ...
 
     def connect(self, worker_id: str, address: str, *, frames_address: str = "") -> None:

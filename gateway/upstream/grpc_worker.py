@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from contract import worker_pb2, worker_pb2_grpc
+from contract import prompt_wire, worker_pb2, worker_pb2_grpc
 from contract.grpc_auth import METADATA_KEY, bearer
 from gateway.upstream.base import (
     Chunk,
@@ -114,7 +114,7 @@ def to_chunk(msg: worker_pb2.GenerateResponse) -> Chunk:
     )
 
 
-def _request(g: Generation) -> worker_pb2.GenerateRequest:
+def _request(g: Generation, *, le32: bool = False) -> worker_pb2.GenerateRequest:
     sampling = worker_pb2.SamplingParams(
         max_tokens=g.max_tokens,
         temperature=g.temperature,
@@ -136,13 +136,17 @@ def _request(g: Generation) -> worker_pb2.GenerateRequest:
         sampling.json_schema = g.json_schema
     if g.grammar is not None:
         sampling.grammar = g.grammar
-    return worker_pb2.GenerateRequest(
+    request = worker_pb2.GenerateRequest(
         request_id=g.request_id,
-        prompt_token_ids=list(g.prompt_ids),
         sampling=sampling,
         cache_salt=g.cache_salt,
         stream_interval=g.stream_interval,
     )
+    if le32:
+        request.prompt_token_ids_le32 = prompt_wire.le32(g.prompt_ids)
+    else:
+        request.prompt_token_ids.extend(g.prompt_ids)
+    return request
 
 
 def _cut_off() -> UpstreamError:
@@ -262,10 +266,14 @@ class GrpcUpstream:
         timeout_s: float,
         *,
         frames_address: str = "",
+        prompt_encoding: str = "",
     ) -> UpstreamCall:
-        """Starts the generation on the worker; the first ``read`` waits for its first tokens."""
+        """Starts the generation on the worker; the first ``read`` waits for its first tokens.
+
+        ``prompt_encoding`` is the worker record's: "le32" sends the prompt as bytes.
+        """
         entry = self.worker(worker_id, address, frames_address)
-        request = _request(generation)
+        request = _request(generation, le32=prompt_encoding == prompt_wire.PROMPT_LE32)
         if not self.mux:
             return self._generate(entry.stub, request, timeout_s)
         if entry.mux is None or entry.mux.dead:

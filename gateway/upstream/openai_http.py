@@ -246,6 +246,7 @@ class OpenAIHTTPUpstream:
         timeout_s: float,
         *,
         frames_address: str = "",
+        prompt_encoding: str = "",
     ) -> _HttpCall:
         """A call to ``address`` (the worker's base URL; ``host:port`` means http).
 

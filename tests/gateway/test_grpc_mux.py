@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import pytest
 
+from contract import prompt_wire, worker_pb2_grpc
 from contract import worker_pb2 as pb
-from contract import worker_pb2_grpc
 from gateway.upstream.base import Chunk, Generation, UpstreamCall, UpstreamError
 from gateway.upstream.grpc_worker import GrpcUpstream
 from loadtest.scale_dispatcher import greedy_generation
@@ -65,12 +65,14 @@ class EchoWorker(FakeWorker):
         self.streams = 0  # GenerateMany calls open now
         self.streams_opened = 0
         self.generate_calls = 0
+        self.le32_requests = 0
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         self.generate_calls += 1
-        self.reply_ids = list(request.prompt_token_ids)
+        self.reply_ids = prompt_wire.prompt_ids(request)
+        self.le32_requests += bool(request.prompt_token_ids_le32)
         async for msg in super().Generate(request, context):
             yield msg
 
@@ -224,6 +226,27 @@ async def test_connect_opens_the_stream_before_the_first_request(transport: str)
         served = await _read_all(_start(upstream, worker, _generation([7, 8]), 5))
         assert [t for c in served for t in c.token_ids] == [7, 8]
         assert worker.streams_opened == 1  # a second connect and the request reuse it
+    finally:
+        await upstream.close()
+        await worker.stop()
+
+
+async def test_a_worker_whose_record_says_le32_gets_the_prompt_as_bytes(transport: str) -> None:
+    worker = await EchoWorker("w1").start(frames=transport == "frames")
+    upstream = GrpcUpstream()
+    try:
+        for encoding in ("", prompt_wire.PROMPT_LE32):
+            call = upstream.start(
+                worker.worker_id,
+                worker.address,
+                _generation([5, 70000, 2**31]),
+                5,
+                frames_address=worker.frames_address,
+                prompt_encoding=encoding,
+            )
+            served = await _read_all(call)
+            assert [t for c in served for t in c.token_ids] == [5, 70000, 2**31]
+        assert worker.generate_calls == 2 and worker.le32_requests == 1
     finally:
         await upstream.close()
         await worker.stop()

@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from contract import prompt_wire, worker_pb2_grpc
 from contract import worker_pb2 as pb
-from contract import worker_pb2_grpc
 from contract.hashing import HashSpec
 from tests.worker.server_stack import BLOCK, NUM_BLOCKS, Stack, random_ids
 from worker.engine.thread import Engine, EngineConfig
@@ -117,6 +117,32 @@ async def test_bad_requests_are_invalid_argument_and_the_engine_keeps_going(
     assert needle in err.value.details()
     ok = await stack.generate([5, 6, 7], max_tokens=2)
     assert ok[-1].finish_reason == "length"
+
+
+async def test_a_prompt_sent_as_le32_bytes_generates_what_its_varints_do(stack: Stack) -> None:
+    prompt = random_ids(70, 11)
+    varint = await stack.generate(prompt, max_tokens=6)
+    le32 = [
+        chunk
+        async for chunk in stack.stub.Generate(
+            pb.GenerateRequest(
+                request_id="r-le32",
+                prompt_token_ids_le32=prompt_wire.le32(prompt),
+                sampling=pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+            )
+        )
+    ]
+    assert [t for c in le32 for t in c.token_ids] == [t for c in varint for t in c.token_ids]
+    assert le32[-1].usage.prompt_tokens == 70
+    assert le32[-1].usage.cached_tokens == (70 // BLOCK) * BLOCK  # the varint run cached it
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.stub.Generate(
+            pb.GenerateRequest(
+                prompt_token_ids_le32=b"\x05\x00\x00", sampling=pb.SamplingParams(max_tokens=2)
+            )
+        ).read()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "multiple of 4" in err.value.details()
 
 
 async def test_a_stopped_engine_answers_unavailable(stack: Stack) -> None:

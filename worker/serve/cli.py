@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from contract.hashing import HashSpec
+from contract.prompt_wire import PROMPT_LE32
 from contract.redis_layout import WorkerRecord
 from worker.engine.torch_thread import TorchThread
 from worker.serve.config import WorkerConfig, config_from_args
@@ -202,6 +203,7 @@ class WorkerProcess:
             address=_host_port(cfg.advertised_host, self.grpc_port),
             http_address=http_address,
             frames_address=frames_address,
+            prompt_encoding=PROMPT_LE32,
         )
         await self.publisher.start()
         logger.info(

@@ -27,6 +27,7 @@ import grpc
 from contract import worker_pb2 as pb
 from contract import worker_pb2_grpc
 from contract.grpc_auth import METADATA_KEY, is_bearer
+from contract.prompt_wire import prompt_ids
 from worker.engine.sequence import SamplingParams
 from worker.engine.types import EngineError
 from worker.serve.grpc_mux import GenerateManyMixin
@@ -77,7 +78,10 @@ class WorkerService(GenerateManyMixin, worker_pb2_grpc.WorkerServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
-        prompt = list(request.prompt_token_ids)
+        try:
+            prompt = prompt_ids(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt: {exc}")
         try:
             params = sampling_from_proto(request.sampling, len(prompt), self.engine.max_model_len)
             params.validate(self.engine.vocab_size)
