@@ -26,6 +26,7 @@ from gateway.edge.openapi import openapi_spec
 from gateway.observe import dashboard
 from gateway.observe.access_log import log_access
 from gateway.observe.fleet_window import FleetWindow
+from gateway.observe.loop_lag import watch_loop_lag
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RollingStats
 from gateway.routing.dispatch import Dispatcher
@@ -176,7 +177,12 @@ async def _openapi(request: web.Request) -> web.Response:
 
 async def _background(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
-    tasks = {asyncio.create_task(state.mirror.run(), name="kvroute-index-mirror")}
+    tasks = {
+        asyncio.create_task(state.mirror.run(), name="kvroute-index-mirror"),
+        asyncio.create_task(
+            watch_loop_lag(state.metrics.event_loop_lag_seconds), name="kvroute-loop-lag"
+        ),
+    }
     replicas = state.dispatcher.replicas
     if replicas is not None:
         tasks.update(replicas.start())
