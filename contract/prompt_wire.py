@@ -29,6 +29,11 @@ def le32(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+def prompt_length(request: Any) -> int:
+    """How many ids a ``GenerateRequest``'s prompt has, without decoding them."""
+    return len(request.prompt_token_ids_le32) // 4 or len(request.prompt_token_ids)
+
+
 def prompt_ids(request: Any) -> list[int]:
     """A ``GenerateRequest``'s prompt, whichever encoding it came in.
 

@@ -33,7 +33,7 @@ from aiohttp import web
 from contract import worker_pb2 as pb
 from contract import worker_pb2_grpc
 from contract.hashing import HashSpec
-from contract.prompt_wire import PROMPT_LE32, prompt_ids
+from contract.prompt_wire import PROMPT_LE32, prompt_length
 from contract.redis_layout import WorkerRecord
 from loadtest.fleet import free_port
 from loadtest.scale_redis import FakeEngine
@@ -76,7 +76,7 @@ class _InstantGrpc(GenerateManyMixin, worker_pb2_grpc.WorkerServicer):
             finished=True,
             finish_reason="length",
             usage=pb.Usage(
-                prompt_tokens=len(prompt_ids(request)), completion_tokens=n, cached_tokens=0
+                prompt_tokens=prompt_length(request), completion_tokens=n, cached_tokens=0
             ),
             worker_id=self.worker_id,
         )

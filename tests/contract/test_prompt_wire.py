@@ -18,6 +18,8 @@ def test_both_encodings_survive_the_wire_as_the_same_ids(ids: list[int]) -> None
     le32 = pb.GenerateRequest(prompt_token_ids_le32=prompt_wire.le32(ids)).SerializeToString()
     assert prompt_wire.prompt_ids(pb.GenerateRequest.FromString(varint)) == ids
     assert prompt_wire.prompt_ids(pb.GenerateRequest.FromString(le32)) == ids
+    for wire in (varint, le32):
+        assert prompt_wire.prompt_length(pb.GenerateRequest.FromString(wire)) == len(ids)
 
 
 def test_the_bytes_are_little_endian() -> None:
