@@ -250,6 +250,33 @@ def measure(router: Router, workload: str, bodies: list[bytes], seconds: float) 
     }
 
 
+def start_fakes(
+    workers: int, redis_url: str, ns: str, ready: Path, stream_interval: int = 1
+) -> subprocess.Popen[bytes]:
+    """``loadtest.instant_workers`` in a process of their own; ``wait_fakes`` for their URLs."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import asyncio; from pathlib import Path; "
+            "from loadtest.instant_workers import serve_instant_workers; "
+            f"asyncio.run(serve_instant_workers({workers}, {redis_url!r}, {ns!r}, "
+            f"Path({str(ready)!r}), {stream_interval}))",
+        ],
+        cwd=ROOT,
+    )
+
+
+def wait_fakes(fakes: subprocess.Popen[bytes], ready: Path) -> list[str]:
+    """The fakes' HTTP URLs once every one is registered."""
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if time.monotonic() > deadline or fakes.poll() is not None:
+            raise RuntimeError("fake workers did not start")
+        time.sleep(0.1)
+    return list(json.loads(ready.read_text()))
+
+
 def run(
     routers: list[str],
     workloads: list[str],
@@ -261,28 +288,12 @@ def run(
     redis = PrivateRedis()
     tmp = Path(tempfile.mkdtemp(prefix="kvroute-overhead-"))
     ns = "overhead"
-    ready = tmp / "ready.json"
-    fakes = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import asyncio; from pathlib import Path; "
-            "from loadtest.instant_workers import serve_instant_workers; "
-            f"asyncio.run(serve_instant_workers({workers}, {redis.url!r}, {ns!r}, "
-            f"Path({str(ready)!r}), {stream_interval}))",
-        ],
-        cwd=ROOT,
-    )
+    fakes = start_fakes(workers, redis.url, ns, tmp / "ready.json", stream_interval)
     started: dict[str, Router] = {}
     results: dict[str, dict[str, list[dict[str, Any]]]] = {r: {} for r in routers}
     skipped: dict[str, str] = {}
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if time.monotonic() > deadline or fakes.poll() is not None:
-                raise RuntimeError("fake workers did not start")
-            time.sleep(0.1)
-        urls = json.loads(ready.read_text())
+        urls = wait_fakes(fakes, tmp / "ready.json")
         bodies = {w: make_bodies(w, 200, seed=i) for i, w in enumerate(workloads)}
         direct = {w: _direct_p50(urls[0], bodies[w]) for w in workloads}
         for name in routers:
