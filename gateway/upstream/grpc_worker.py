@@ -274,23 +274,33 @@ class GrpcUpstream:
         """
         entry = self.worker(worker_id, address, frames_address)
         request = _request(generation, le32=prompt_encoding == prompt_wire.PROMPT_LE32)
-        if not self.mux:
+        mux = self._usable_mux(entry)
+        if mux is None:
             return self._generate(entry.stub, request, timeout_s)
-        if entry.mux is None or entry.mux.dead:
-            if entry.mux is not None and entry.mux.unimplemented:
-                return self._generate(entry.stub, request, timeout_s)
-            entry.mux = self._open_mux(entry)
-        return entry.mux.start(request, timeout_s)
+        return mux.start(request, timeout_s)
 
     def connect(self, worker_id: str, address: str, *, frames_address: str = "") -> None:
         """Opens the connection (and stream) to a worker that just joined, so that its
         first request does not wait for the handshakes."""
         entry = self.worker(worker_id, address, frames_address)
-        if not self.mux:
+        mux = self._usable_mux(entry)
+        if mux is not None:
+            mux.open()
+        else:
             entry.channel.get_state(try_to_connect=True)
-        elif entry.mux is None or (entry.mux.dead and not entry.mux.unimplemented):
+
+    def _usable_mux(self, entry: _Worker) -> MuxStream | None:
+        """The worker's ``GenerateMany`` stream (a new one in place of a lost one), or
+        None where requests go as ``Generate`` calls: mux off, or the worker lacks it."""
+        if not self.mux:
+            return None
+        if entry.mux is not None and entry.mux.dead:
+            if entry.mux.unimplemented:
+                return None
+            entry.mux = None
+        if entry.mux is None:
             entry.mux = self._open_mux(entry)
-            entry.mux.open()
+        return entry.mux
 
     def _generate(
         self,
