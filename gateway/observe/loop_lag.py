@@ -5,6 +5,9 @@ A task sleeps ``interval_s`` and records how much later than asked it woke
 long synchronous call, a garbage collection, a starved CPU) shows there, and a
 lag over ``warn_s`` is logged with the CPU the process used meanwhile, which
 tells a busy loop (CPU close to the lag) from a starved process (CPU near zero).
+A stall shorter than ``interval_s`` shows only when it spans a wake-up (with
+probability stall / interval), so the histogram samples stalls, it does not
+count them all.
 """
 
 from __future__ import annotations
