@@ -29,7 +29,6 @@ client. Times are reported in the emulated GPU's units (divided back by
 from __future__ import annotations
 
 import asyncio
-import gc
 import itertools
 import json
 import logging
@@ -48,7 +47,7 @@ import aiohttp
 
 from loadtest import aiperf_client, stats
 from loadtest.bench_fleet import FleetBenchConfig, fleet_config
-from loadtest.client import ClientConfig, RequestResult, send_one
+from loadtest.client import ClientConfig, RequestResult, frozen_heap, send_one
 from loadtest.fleet import Fleet, free_port
 from loadtest.fleet_probe import (
     counters_delta,
@@ -176,18 +175,10 @@ async def play_spread(
                 return
             answers.append(res.text)
 
-    # This process holds the trace, the tokenizers and every earlier result: one full
-    # collection of them paused the client ~100 ms mid-run, and the request it was
-    # connecting then became the chat workload's p99 (under kvroute only, where the
-    # collection fell). Frozen, they stay out of the collections while the load plays.
-    gc.collect()
-    gc.freeze()
-    try:
+    with frozen_heap():
         async with aiohttp.ClientSession(timeout=timeout) as session:
             t0 = time.perf_counter()
             await asyncio.gather(*(conversation(session, c, t0) for c in convs))
-    finally:
-        gc.unfreeze()
     return out
 
 

@@ -134,3 +134,14 @@ async def test_token_id_prompts_go_to_completions() -> None:
 def test_config_checks_the_url() -> None:
     with pytest.raises(ValueError, match="--url"):
         ClientConfig(base_url="localhost:8000", model="m")
+
+
+def test_frozen_heap_keeps_existing_objects_out_of_collections_while_a_load_plays() -> None:
+    import gc
+
+    from loadtest.client import frozen_heap
+
+    before = gc.get_freeze_count()
+    with frozen_heap():
+        assert gc.get_freeze_count() > before
+    assert gc.get_freeze_count() == 0
