@@ -118,6 +118,10 @@ class Detokenizer:
 
     def _release(self, final: bool) -> str:
         text = self.text
+        if not self._matchers:  # no stop strings: everything decoded is final
+            out = text[self._emitted :]
+            self._scanned = self._emitted = len(text)
+            return out
         for i in range(self._scanned, len(text)):
             ch = text[i]
             for m in self._matchers:

@@ -215,7 +215,10 @@ class Relay:
             return chat_choice(c.index, c.tools.content(), finish, lps, c.tool_calls)
 
         try:
-            choices = list(await asyncio.gather(*(collect(c) for c in self._choices)))
+            if len(self._choices) == 1:  # no task per request for the usual single choice
+                choices = [await collect(self._choices[0])]
+            else:
+                choices = list(await asyncio.gather(*(collect(c) for c in self._choices)))
         except UpstreamError as exc:
             raise exc.api_error from exc
         build = chat_response if self.chat else completion_response
