@@ -204,8 +204,11 @@ async def read_json(request: web.Request) -> Any:
     A large body is decoded in the executor, so the loop never stalls on it.
     """
     try:
-        async with asyncio.timeout(request.app[STATE].config.client_body_timeout_s):
+        if request.content.is_eof():  # the whole body is here: no timer to arm
             raw = await request.read()  # aiohttp raises 413 past client_max_size
+        else:
+            async with asyncio.timeout(request.app[STATE].config.client_body_timeout_s):
+                raw = await request.read()
     except TimeoutError:
         raise APIError(408, "the request body did not arrive in time", code="timeout") from None
     if len(raw) >= _OFF_LOOP_BYTES:
