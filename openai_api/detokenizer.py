@@ -93,6 +93,8 @@ class Detokenizer:
         """Adds generated ids; returns the text that is now final (maybe "")."""
         if self.stopped:
             return ""
+        if len(new_ids) > 1 and self._push_whole(new_ids):
+            return self._release(final=False)
         for token in new_ids:
             self._ids.append(token)
             prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
@@ -103,6 +105,21 @@ class Detokenizer:
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
         return self._release(final=False)
+
+    def _push_whole(self, new_ids: Sequence[int]) -> bool:
+        """Decodes several ids with two calls instead of two per id, unless they end
+        inside a character (then the caller goes id by id and keeps what is complete)."""
+        start = len(self._ids)
+        self._ids.extend(new_ids)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if full.endswith(_REPLACEMENT) or len(full) < len(prefix):
+            del self._ids[start:]
+            return False
+        self.text += full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return True
 
     def finish(self) -> str:
         """The rest of the text once generation ended (flushes held-back text)."""
@@ -140,6 +157,11 @@ class Detokenizer:
         out = text[self._emitted : end]
         self._emitted = end
         return out
+
+    @property
+    def has_stops(self) -> bool:
+        """Whether text is checked for stop strings as it comes."""
+        return bool(self._matchers)
 
     @property
     def output_text(self) -> str:

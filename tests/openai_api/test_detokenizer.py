@@ -53,6 +53,22 @@ def test_streamed_text_equals_full_decode(tok: Any, text: str, sizes: list[int])
     assert streamed == tok.decode(ids, skip_special_tokens=True)
 
 
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    ids=st.lists(st.integers(0, 49151), min_size=1, max_size=40),
+    sizes=st.lists(st.integers(1, 16), max_size=20),
+)
+def test_ids_pushed_together_give_the_text_of_ids_pushed_one_by_one(
+    tok: Any, ids: list[int], sizes: list[int]
+) -> None:
+    # Any ids, so byte tokens that never complete a character are in the groups too.
+    together = "".join(_stream(Detokenizer(tok, [1, 4093, 198]), ids, sizes))
+    one_by_one = "".join(_stream(Detokenizer(tok, [1, 4093, 198]), ids, [1] * len(ids)))
+    assert together == one_by_one
+
+
 def test_special_tokens_are_skipped(tok: Any) -> None:
     ids = [*tok.encode("Hello", add_special_tokens=False), 2]  # <|im_end|>
     detok = Detokenizer(tok, [])
