@@ -143,6 +143,8 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
         if headers is not None:
             await headers
         resp = await (relay.sse() if s.stream else relay.json_body())
+        if not resp.prepared:
+            await send_now(request, resp)
     finally:
         for other in streams[1:]:
             other.close(None)
@@ -160,6 +162,17 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
         if state.tokenizer.answer_is_new(prompt.ids, answer):
             state.spawn(state.tokenizer.remember_answer(req.messages, answer))
     return resp
+
+
+async def send_now(request: web.Request, resp: web.StreamResponse) -> None:
+    """Sends a finished answer before the request's bookkeeping runs (closing its stream,
+    metrics, the access log): the client waits for none of that. aiohttp then finds it
+    sent; a client gone meanwhile is aiohttp's to handle, as for any response."""
+    try:
+        await resp.prepare(request)
+        await resp.write_eof()
+    except ConnectionError:
+        pass
 
 
 async def open_choices(
