@@ -67,7 +67,7 @@ def observe_finished(
     cached_tokens: int | None,
 ) -> None:
     """A generation ended: counts its tokens and completes its access record."""
-    metrics.generation_tokens.labels(stream.worker_id).inc(completion_tokens)
+    metrics.worker(stream.worker_id).generation_tokens.inc(completion_tokens)
     record = request.get(ACCESS)
     if record is None:
         return

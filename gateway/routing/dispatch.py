@@ -331,10 +331,11 @@ class Dispatcher:
                 self._settle(wid, chain, served=first is not None)
                 if self.replicas is not None:
                     self.replicas.load_changed()
-            self.metrics.requests.labels(wid, reason).inc()
-            self.metrics.prompt_tokens.labels(wid).inc(len(job.prompt_ids))
-            self.metrics.predicted_cached_tokens.labels(wid).inc(predicted)
-            self.metrics.ttft_seconds.labels(wid).observe(time.perf_counter() - job.started)
+            series = self.metrics.worker(wid)
+            series.requests(reason).inc()
+            series.prompt_tokens.inc(len(job.prompt_ids))
+            series.predicted_cached_tokens.inc(predicted)
+            series.ttft_seconds.observe(time.perf_counter() - job.started)
             logger.debug(
                 "request %s -> worker %s (%s, %d/%d tokens cached)",
                 job.request_id,
@@ -413,9 +414,10 @@ class Dispatcher:
         load.finished += 1
         if self.replicas is not None:
             self.replicas.finished(wid)
-        self.metrics.e2e_seconds.labels(wid).observe(time.perf_counter() - stream.job.started)
+        series = self.metrics.worker(wid)
+        series.e2e_seconds.observe(time.perf_counter() - stream.job.started)
         if cached_tokens is not None:
-            self.metrics.cached_tokens.labels(wid).inc(cached_tokens)
+            series.cached_tokens.inc(cached_tokens)
         self.stats.add(
             RequestRecord(
                 at=time.monotonic(),
