@@ -93,28 +93,25 @@ class Detokenizer:
         """Adds generated ids; returns the text that is now final (maybe "")."""
         if self.stopped:
             return ""
-        if len(new_ids) > 1 and self._push_whole(new_ids):
-            return self._release(final=False)
+        if len(new_ids) > 1:
+            # Several ids at once: two decode calls for all of them, unless they end
+            # inside a character; then id by id, keeping what is complete.
+            start = len(self._ids)
+            self._ids.extend(new_ids)
+            if self._decode_unread():
+                return self._release(final=False)
+            del self._ids[start:]
         for token in new_ids:
             self._ids.append(token)
-            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-            full = self._decode(self._ids[self._prefix_offset :])
-            if full.endswith(_REPLACEMENT) or len(full) < len(prefix):
-                continue  # an incomplete character: wait for its remaining bytes
-            self.text += full[len(prefix) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
+            self._decode_unread()
         return self._release(final=False)
 
-    def _push_whole(self, new_ids: Sequence[int]) -> bool:
-        """Decodes several ids with two calls instead of two per id, unless they end
-        inside a character (then the caller goes id by id and keeps what is complete)."""
-        start = len(self._ids)
-        self._ids.extend(new_ids)
+    def _decode_unread(self) -> bool:
+        """Adds the text of the ids past the read offset to ``text``; False (nothing
+        added) while they end in an incomplete character, waiting for its other bytes."""
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
         if full.endswith(_REPLACEMENT) or len(full) < len(prefix):
-            del self._ids[start:]
             return False
         self.text += full[len(prefix) :]
         self._prefix_offset = self._read_offset
