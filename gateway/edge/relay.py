@@ -54,6 +54,10 @@ def route_headers(worker_id: str, reason: str) -> dict[str, str]:
     return {"x-kvroute-worker": worker_id, "x-kvroute-reason": reason}
 
 
+def _unfinished() -> APIError:
+    return APIError(502, "the worker ended the stream without finishing", code="worker_error")
+
+
 class _Choice:
     """One choice's stream, text and logprobs."""
 
@@ -139,7 +143,7 @@ class _Choice:
             if chunk.finished:
                 return self.detok.push(ids) + self.detok.finish(), chunk.finish_reason or "stop"
             chunk = await self.stream.next()
-        raise APIError(502, "the worker ended the stream without finishing", code="worker_error")
+        raise _unfinished()
 
     async def events(self) -> AsyncIterator[tuple[str, str | None]]:
         """Yields (text delta, finish reason or None) until the generation ends; with
@@ -158,7 +162,7 @@ class _Choice:
             if delta:
                 yield delta, None
             chunk = await self.stream.next()
-        raise APIError(502, "the worker ended the stream without finishing", code="worker_error")
+        raise _unfinished()
 
 
 class Relay:
