@@ -13,9 +13,12 @@ import errno
 import gc
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +158,14 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, Any, str]] = [
         "carry that stream on a worker's frames port when it has one (plain TCP, no HTTP/2; "
         "never with --grpc-tls-ca or a gRPC token)",
     ),
+    (
+        "--processes",
+        int,
+        1,
+        "processes serving the port, one per core to use; the first holds the block index "
+        "and the others ask it (the index is not copied)",
+    ),
+    ("--index-socket", str, "", "internal: a front process's link to its gateway's index owner"),
 ]
 
 
@@ -245,6 +256,8 @@ def config_from_args(argv: list[str]) -> GatewayConfig:
         grpc_mux=v["--grpc-mux"],
         worker_frames=v["--worker-frames"],
         fast_bpe=v["--fast-bpe"],
+        processes=v["--processes"],
+        index_socket=v["--index-socket"],
     )
 
 
@@ -265,13 +278,23 @@ def _flag_bool(flag: str, raw: str) -> bool:
     return raw.lower() in ("true", "1", "yes")
 
 
-async def serve(config: GatewayConfig) -> None:
-    """Runs the gateway until SIGINT/SIGTERM."""
+async def serve(config: GatewayConfig, argv: list[str] | None = None) -> None:
+    """Runs the gateway until SIGINT/SIGTERM (with ``--processes`` above 1, its front
+    processes too, started with ``argv``, the flags this process was given)."""
     from gateway.edge.app import create_app
+    from gateway.edge.app_keys import STATE
+    from gateway.processes import FrontProcesses
     from openai_api.server_log import redact_parser_errors
 
-    redact_parser_errors()  # aiohttp would log an over-long header's first 100 bytes
+    redact_parser_errors()
+    socket_dir = None
+    if config.processes > 1:
+        socket_dir = tempfile.mkdtemp(prefix="kvroute-gateway-")
+        config = replace(
+            config, index_socket=os.path.join(socket_dir, "index.sock"), index_owner=True
+        )  # aiohttp would log an over-long header's first 100 bytes
     app = create_app(config)
+    owner_lost = app[STATE].owner_lost
     # Cancelling a handler when its client disconnects aborts the worker request too.
     # keepalive_timeout runs from the connection's start (and from each response): a
     # client that sends nothing, or its headers a byte at a time, is closed by then.
@@ -286,7 +309,8 @@ async def serve(config: GatewayConfig) -> None:
     # collection, so a full GC pass never stalls the loop on start-up objects.
     gc.collect()
     gc.freeze()
-    site = web.TCPSite(runner, config.host, config.port)
+    # Every process of a multi-process gateway listens on the one port.
+    site = web.TCPSite(runner, config.host, config.port, reuse_port=bool(config.index_socket))
     try:
         await site.start()
     except OSError as exc:
@@ -301,23 +325,37 @@ async def serve(config: GatewayConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    fronts = None
+    if config.processes > 1:
+        port = runner.addresses[0][1]  # the one the OS gave, with --port 0
+        fronts = FrontProcesses(argv or [], config.processes - 1, port, config.index_socket)
+        fronts.start()
     logger.info(
-        "kvroute gateway serving %s on %s (policy %s)",
+        "kvroute gateway serving %s on %s (policy %s%s)",
         config.model_name,
         ", ".join(site.name for site in runner.sites),
         config.router.policy,
+        f", {config.processes} processes" if config.processes > 1 else "",
     )
     try:
-        await stop.wait()
+        waits = [asyncio.ensure_future(e.wait()) for e in (stop, owner_lost)]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
     finally:
         logger.info("shutting down")
+        if fronts is not None:
+            await fronts.stop()
         await runner.cleanup()
+        if socket_dir is not None:
+            shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvroute gateway``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        config = config_from_args(sys.argv[1:] if argv is None else argv)
+        config = config_from_args(argv)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"kvroute gateway: {exc}\n")
         return 2
@@ -335,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("uvloop not installed; using the default event loop")
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(serve(config))
+            runner.run(serve(config, argv))
     except StartupError as exc:
         sys.stderr.write(f"kvroute gateway: {exc}\n")
         return 1

@@ -61,6 +61,12 @@ class GatewayConfig:
     grpc_mux: bool = True
     # ...on a worker's frames port (contract.frames) where it advertises one.
     worker_frames: bool = True
+    # Processes serving one port (gateway.processes); the first owns the block index.
+    processes: int = 1
+    # The owner's index socket (gateway.routing.index_share): set for every process of
+    # a multi-process gateway; ``index_owner`` marks the one that holds the index.
+    index_socket: str = ""
+    index_owner: bool = False
 
     def __post_init__(self) -> None:
         RedisLayout(self.redis_namespace)  # validates --redis-namespace
@@ -85,6 +91,12 @@ class GatewayConfig:
             (self.registry_poll_s > 0, "registry_poll_s must be > 0"),
             (self.max_retries >= 0, "max_retries must be >= 0"),
             (self.index_max_entries >= 0, "--index-max-entries must be >= 0"),
+            (1 <= self.processes <= 256, "--processes must be in [1, 256]"),
+            (
+                self.processes == 1 or self.replica_sync,
+                "--processes above 1 needs --replica-sync true: the processes share "
+                "in-flight load and sessions as replicas do",
+            ),
             (
                 self.redis_url.startswith(("redis://", "rediss://", "unix://")),
                 "--redis-url must start with redis://, rediss:// or unix://",
@@ -111,6 +123,11 @@ class GatewayConfig:
     def model_name(self) -> str:
         """The primary served name (the first of ``model_names``)."""
         return self.model_names[0]
+
+    @property
+    def front(self) -> bool:
+        """A process of a multi-process gateway that asks its owner for the index."""
+        return bool(self.index_socket) and not self.index_owner
 
     @property
     def layout(self) -> RedisLayout:

@@ -100,7 +100,7 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     # 5. hash
     candidates = d.hash(job, d.candidates())
     # 6. look up
-    cached = d.look_up(candidates)
+    cached = await d.alook_up(candidates)
     # 7. choose
     decision = d.choose(job, candidates, cached)
     tools = req.tools if isinstance(req, ChatRequest) else None

@@ -13,7 +13,9 @@ the peers talk OpenAI HTTP to theirs. The peers are the Rust binaries from PyPI
 worker's one gRPC ``GenerateMany`` stream) and ``kvroute_generate`` with
 ``--grpc-mux false`` too (one ``Generate`` call per request);
 ``kvroute_cpu_vs_grpc`` and ``kvroute_cpu_vs_generate`` are the ratios of
-their CPU per request. Rounds interleave the routers (A/B/A/B), and every figure is
+their CPU per request. ``kvroute_2proc`` is ``kvroute`` with ``--processes 2``
+(two processes on one port, one block index; CPU counts both);
+``kvroute_2proc_rps_vs_1`` is its ``chat_small`` throughput over ``kvroute``'s. Rounds interleave the routers (A/B/A/B), and every figure is
 the median over rounds. The peers do not tokenize; kvroute does. The fakes
 are ``loadtest.instant_workers``: one message (gRPC) or SSE event (HTTP) per
 token, as a worker sends them when it keeps up; ``--stream-interval N`` makes
@@ -61,6 +63,7 @@ from loadtest.words import WORDS
 ROOT = Path(__file__).resolve().parents[1]
 ROUTERS = (
     "kvroute",
+    "kvroute_2proc",
     "kvroute_grpc",
     "kvroute_generate",
     "sglang_rr",
@@ -215,12 +218,17 @@ def _router_cmd(name: str, port: int, redis_url: str, ns: str, urls: list[str]) 
             *("--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"),
             # kvroute_grpc: the workers' gRPC stream instead of their frames port;
             # kvroute_generate: one Generate call per request.
-            *("--worker-frames", "true" if name == "kvroute" else "false"),
+            *(
+                "--worker-frames",
+                "false" if name in ("kvroute_grpc", "kvroute_generate") else "true",
+            ),
             *("--grpc-mux", "false" if name == "kvroute_generate" else "true"),
             # The kvroute variants are separate routers that share the fakes' namespace,
             # not replicas of one deployment: synced as replicas, each published every
-            # request to the others (c=1 p50 0.78 against 0.49 ms alone).
-            *("--replica-sync", "false"),
+            # request to the others (c=1 p50 0.78 against 0.49 ms alone). kvroute_2proc
+            # is one gateway of two processes, which share load as replicas do.
+            *("--replica-sync", "true" if name == "kvroute_2proc" else "false"),
+            *("--processes", "2" if name == "kvroute_2proc" else "1"),
         ]
     bin_dir = ensure_peer_venv(PeersConfig())
     policy = "round_robin" if name.endswith("_rr") else "cache_aware"
@@ -405,12 +413,21 @@ def summarize(
         # stream, and over one Generate call per request.
         "kvroute_cpu_vs_grpc": cpu_ratio(out.get("kvroute_grpc", {})),
         "kvroute_cpu_vs_generate": cpu_ratio(out.get("kvroute_generate", {})),
+        # Two processes on one port against one, same run: what a second core buys.
+        "kvroute_2proc_rps_vs_1": _ratio(
+            out.get("kvroute_2proc", {}).get("chat_small", {}).get("max_rps"),
+            kv.get("chat_small", {}).get("max_rps"),
+        ),
         "direct_p50_ms_c1": {w: round(v, 3) for w, v in direct.items()},
         "targets_met": met,
         "target_met": all(met.values()),
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "cpus": os.cpu_count(),
     }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,9 @@ log line. The index mirror runs as a background task owned by ``cleanup_ctx``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,6 +33,7 @@ from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RollingStats
 from gateway.routing.dispatch import Dispatcher
 from gateway.routing.index import BlockIndex
+from gateway.routing.index_share import IndexServer, RemoteIndex, front_tasks
 from gateway.routing.mirror import IndexMirror
 from gateway.routing.record_check import RecordCheck
 from gateway.routing.replicas import ReplicaSync
@@ -130,6 +133,7 @@ async def _readyz(request: web.Request) -> web.Response:
         "redis": state.mirror.redis_ok,
         "snapshot": state.mirror.has_snapshot,
         "healthy_workers": healthy,
+        "pid": os.getpid(),  # which process of a multi-process gateway answered
     }
     return web.json_response(body, status=200 if body["ready"] else 503)
 
@@ -162,11 +166,18 @@ def refresh_gauges(state: GatewayState) -> None:
         )
 
 
+async def _own_metrics(state: GatewayState) -> bytes:
+    """This process's metrics (of a multi-process gateway: its share)."""
+    refresh_gauges(state)
+    return state.metrics.render()
+
+
 async def _metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    refresh_gauges(state)
+    pod = state.pod
+    body = await (pod.pod_metrics() if pod is not None else _own_metrics(state))
     return web.Response(
-        body=state.metrics.render(),
+        body=body,
         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
     )
 
@@ -186,7 +197,18 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     replicas = state.dispatcher.replicas
     if replicas is not None:
         tasks.update(replicas.start())
+    pod = state.pod
+    render = functools.partial(_own_metrics, state)
+    if isinstance(pod, IndexServer):
+        await pod.start(render)
+    elif isinstance(pod, RemoteIndex):
+        await pod.connect(render)
+        # Without its owner a front would route blind: it stops (``gateway.cli`` waits on
+        # ``owner_lost``; the owner restarts fronts that exit).
+        tasks.update(front_tasks(pod, state.owner_lost.set))
     yield
+    if isinstance(pod, IndexServer):
+        await pod.close()
     tasks |= state.background
     while tasks:
         # Cancel again until done: a library that swallowed one cancellation gets another.
@@ -207,7 +229,13 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
             executor_min_chars=config.executor_min_chars,
             fast_bpe=config.fast_bpe,
         )
-    index = BlockIndex(max_entries=config.index_max_entries)
+    # A front process's own index stays empty: it looks blocks up in its owner's.
+    index = BlockIndex(max_entries=0 if config.front else config.index_max_entries)
+    pod: IndexServer | RemoteIndex | None = None
+    if config.front:
+        pod = RemoteIndex(config.index_socket)
+    elif config.index_socket:
+        pod = IndexServer(config.index_socket, index)
     upstreams: dict[str, Upstream] = {
         "grpc": GrpcUpstream(
             config.grpc_tls_ca.read_bytes() if config.grpc_tls_ca else None,
@@ -232,10 +260,11 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         cluster=config.redis_cluster,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         registry=metrics.registry,
+        blocks=not config.front,
     )
     dispatcher = Dispatcher(
         mirror=mirror,
-        index=index,
+        index=pod if isinstance(pod, RemoteIndex) else index,
         router=Router(config.router, rotation_start=random.randrange(1 << 20)),
         upstreams=upstreams,
         sessions=sessions,
@@ -262,7 +291,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         dispatcher.replicas = ReplicaSync(
             mirror._client,
             config.layout.routes,
-            index,
+            None if config.front else index,
             sessions,
             dispatcher.loads,
             speculative_ttl_s=config.speculative_ttl_s,
@@ -285,6 +314,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         dispatcher=dispatcher,
         api_keys=keys,
         started_at=int(time.time()),
+        pod=pod,
     )
 
 

@@ -15,6 +15,7 @@ from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RollingStats
 from gateway.routing.dispatch import Dispatcher
 from gateway.routing.index import BlockIndex
+from gateway.routing.index_share import IndexServer, RemoteIndex
 from gateway.routing.mirror import IndexMirror
 from gateway.routing.sessions import SessionMap
 from gateway.text.tokenizer import ChatTokenizer
@@ -34,6 +35,9 @@ class GatewayState:
     dispatcher: Dispatcher
     api_keys: ApiKeys | None
     started_at: int
+    # A multi-process gateway's index link: the owner's server, or a front's client.
+    pod: IndexServer | RemoteIndex | None = None
+    owner_lost: asyncio.Event = field(default_factory=asyncio.Event)  # a front's owner went away
     background: set[asyncio.Task[None]] = field(default_factory=set)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -82,7 +82,7 @@ def snapshot(state: GatewayState, window: FleetWindow, window_s: float) -> dict[
                 "waiting": s.waiting,
                 "queued_prefill_tokens": s.queued_prefill_tokens,
                 "blocks": {"used": max(total - free, 0), "free": free, "total": total},
-                "index_blocks": state.index.block_count(wid),
+                "index_blocks": state.dispatcher.index.block_count(wid),
                 "event_lag_s": round(entry.event_lag_s, 4),
                 **_traffic(d, worker_id=wid),
                 "reasons": _counts(d, G + "requests_total", "reason", worker_id=wid),

@@ -26,6 +26,7 @@ from contract.redis_layout import WorkerRecord
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RequestRecord, RollingStats
 from gateway.routing.index import BlockIndex
+from gateway.routing.index_share import RemoteIndex
 from gateway.routing.jobs import Candidates, Job, Stream, stream_interval
 from gateway.routing.load import GatewayLoad, router_view
 from gateway.routing.mirror import IndexMirror
@@ -53,7 +54,7 @@ class Dispatcher:
         self,
         *,
         mirror: IndexMirror,
-        index: BlockIndex,
+        index: BlockIndex | RemoteIndex,
         router: Router,
         upstreams: dict[str, Upstream],
         sessions: SessionMap,
@@ -203,14 +204,17 @@ class Dispatcher:
 
     def look_up(self, cands: Candidates) -> dict[str, int]:
         """Per worker, the leading blocks of its chain the index says it holds."""
+        index = self.index
+        assert isinstance(index, BlockIndex), "a front process looks up with alook_up"
         now = time.monotonic()
-        cached: dict[str, int] = {}
-        distinct = {id(c): c for c in cands.chains.values() if c}
-        for chain in distinct.values():
-            for wid, n in self.index.longest_prefix(chain, now).items():
-                if cands.chains.get(wid) is chain:
-                    cached[wid] = n
-        return cached
+        return _held(cands, [(c, index.longest_prefix(c, now)) for c in _distinct(cands)])
+
+    async def alook_up(self, cands: Candidates) -> dict[str, int]:
+        """``look_up``, asking the gateway's index owner when this process is a front."""
+        index = self.index
+        if isinstance(index, BlockIndex):
+            return self.look_up(cands)
+        return _held(cands, [(c, await index.longest_prefix(c)) for c in _distinct(cands)])
 
     def choose(self, job: Job, cands: Candidates, cached: dict[str, int]) -> Decision:
         """The router's pick (and ranked fallbacks); 429 when every queue is full."""
@@ -486,6 +490,21 @@ class Dispatcher:
                 )
             if chunk.token_ids or chunk.finished:
                 return chunk
+
+
+def _distinct(cands: Candidates) -> list[list[int]]:
+    """The candidates' chains, each once (workers usually share one)."""
+    return list({id(c): c for c in cands.chains.values() if c}.values())
+
+
+def _held(cands: Candidates, found: list[tuple[list[int], dict[str, int]]]) -> dict[str, int]:
+    """Per worker, its cached blocks from the look-up of its own chain."""
+    cached: dict[str, int] = {}
+    for chain, holders in found:
+        for wid, n in holders.items():
+            if cands.chains.get(wid) is chain:
+                cached[wid] = n
+    return cached
 
 
 def _deepest_block(cands: Candidates, cached: dict[str, int]) -> int | None:

@@ -30,6 +30,9 @@ tail becomes a pipelined non-blocking ``XREAD`` per worker every
 ``_CLUSTER_TAIL_S``. What the mirror knows (``WorkerEntry``, the worker table)
 is in ``gateway.routing.mirror_state``; this module runs the duties and
 survives Redis outages.
+
+A front process of a multi-process gateway (``gateway.routing.index_share``)
+runs discovery only (``blocks=False``): its process's owner holds the blocks.
 """
 
 from __future__ import annotations
@@ -95,10 +98,11 @@ class IndexMirror(RegistrySync, StreamSync):
                         self._connected_at = time.monotonic()
                 self.redis_ok = True
                 backoff = 0.1
-                if self.has_snapshot:
+                if self.has_snapshot and self.blocks:
                     await self.revalidate(client)
                 await self.sync_registry(client)
-                await self.load_pending(client)
+                if self.blocks:
+                    await self.load_pending(client)
                 self.has_snapshot = True
                 raise_if_cancelled()
                 await self._follow(client)
@@ -136,11 +140,10 @@ class IndexMirror(RegistrySync, StreamSync):
         reconnect loop for good.
         """
         tail = self._cluster_tail_loop if self.cluster else self._tail_loop
-        tasks = {
-            asyncio.create_task(self._poll_loop(client)),
-            asyncio.create_task(self._load_loop(client)),
-            asyncio.create_task(tail(client)),
-        }
+        tasks = {asyncio.create_task(self._poll_loop(client))}
+        if self.blocks:
+            tasks.add(asyncio.create_task(self._load_loop(client)))
+            tasks.add(asyncio.create_task(tail(client)))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:

@@ -74,8 +74,10 @@ class MirrorState:
         tokenizer_fingerprint: str = "",
         fleet_loss_grace_s: float = FLEET_LOSS_GRACE_S,
         registry: CollectorRegistry | None = None,
+        blocks: bool = True,
     ) -> None:
         self.redis_url = redis_url
+        self.blocks = blocks  # False: the registry only (a front process; its owner has the blocks)
         self.layout = layout
         self.index = index
         self.poll_s = poll_s

@@ -106,7 +106,7 @@ class ReplicaSync:
         self,
         client_factory: Callable[[], Any],
         stream_key: str,
-        index: BlockIndex,
+        index: BlockIndex | None,
         sessions: SessionMap,
         loads: dict[str, GatewayLoad],
         *,
@@ -313,7 +313,8 @@ class ReplicaSync:
         if not self.known_worker(wid):
             return
         chain = fields.get(b"c")
-        if chain and self.speculative_ttl_s > 0:
+        # A front process of a gateway keeps no index: its owner applies the chain.
+        if chain and self.speculative_ttl_s > 0 and self.index is not None:
             hashes = np.frombuffer(chain, dtype="<u8").tolist()
             seconds = _seconds(fields.get(b"t"), self.speculative_ttl_s)
             if seconds > 0:

@@ -1,0 +1,208 @@
+"""A gateway of several processes routes as one, with one block index: real Redis,
+real gateway apps (in process, then the real ``kvroute gateway --processes 2``)
+and fake gRPC workers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from contract.hashing import block_hashes
+from contract.redis_layout import RedisLayout
+from gateway.routing.index_share import IndexServer, RemoteIndex
+from gateway.text.tokenizer import ChatTokenizer
+from loadtest.fleet import free_port
+from tests.gateway.conftest import MODEL, SPEC, Harness, MakeGateway
+from tests.gateway.fakes import FakeRegistration, FakeWorker
+from tests.gateway.helpers import eventually, namespace
+
+ROOT = Path(__file__).resolve().parents[2]
+LONG = [{"role": "user", "content": "a prompt of a few blocks, shared by every turn " * 12}]
+
+
+@pytest.fixture
+def socket_path() -> Iterator[str]:
+    folder = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")  # unix socket paths are short
+    yield os.path.join(folder, "index.sock")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+async def _owner_and_front(make_gateway: MakeGateway, path: str) -> tuple[Harness, Harness]:
+    ns = namespace()
+    owner = await make_gateway(redis_namespace=ns, index_socket=path, index_owner=True)
+    front = await make_gateway(redis_namespace=ns, index_socket=path)
+    assert isinstance(owner.state.pod, IndexServer)
+    assert isinstance(front.state.pod, RemoteIndex)
+    return owner, front
+
+
+async def test_a_front_routes_by_the_owners_index_and_keeps_none(
+    make_gateway: MakeGateway, socket_path: str
+) -> None:
+    owner, front = await _owner_and_front(make_gateway, socket_path)
+    for wid in ("w0", "w1", "w2"):
+        await owner.add_worker(wid)
+    await eventually(lambda: len(front.state.mirror.workers) == 3, what="front sees the fleet")
+    hashes = owner.chat_hashes(LONG)
+    await owner.workers["w2"][1].store(hashes)
+    await eventually(lambda: owner.state.index.block_count("w2") == len(hashes), what="load")
+    resp = await front.chat(LONG)
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["x-kvroute-worker"] == "w2"
+    # The front mirrors the registry but no blocks: the pod holds one index.
+    assert front.state.index.stats().entries == 0
+    assert owner.state.index.stats().entries == len(hashes)
+    pod = front.state.pod
+    assert isinstance(pod, RemoteIndex)
+    await pod.refresh_counts()
+    assert pod.block_count("w2") == len(hashes)
+
+
+async def test_a_fronts_routing_is_speculated_in_the_owners_index(
+    make_gateway: MakeGateway, socket_path: str
+) -> None:
+    # No cache events at all: only the front's speculation can tell the owner (and so
+    # the next look-up, from any process) where the new prompt went.
+    owner, front = await _owner_and_front(make_gateway, socket_path)
+    for wid in ("w0", "w1", "w2", "w3"):
+        await owner.add_worker(wid)
+    await eventually(lambda: len(front.state.mirror.workers) == 4, what="front sees the fleet")
+    first = await front.chat(LONG)
+    assert first.status == 200, await first.text()
+    wid = first.headers["x-kvroute-worker"]
+    chain = owner.chat_hashes(LONG)
+    index = owner.state.index
+    await eventually(
+        lambda: index.longest_prefix(chain, time.monotonic()).get(wid) == len(chain),
+        what="speculated at the owner",
+    )
+    again = await owner.chat(LONG)
+    assert again.headers["x-kvroute-worker"] == wid
+
+
+async def test_metrics_at_any_process_count_the_whole_pod(
+    make_gateway: MakeGateway, socket_path: str
+) -> None:
+    owner, front = await _owner_and_front(make_gateway, socket_path)
+    await owner.add_worker("w0")
+    await eventually(lambda: front.state.mirror.workers, what="front sees the worker")
+    for g, n in ((owner, 2), (front, 3)):
+        for _ in range(n):
+            assert (await g.chat(LONG)).status == 200
+    for g in (owner, front):
+        text = await (await g.client.get("/metrics")).text()
+        assert 'kvroute_gateway_responses_total{code="200"} 5.0' in text
+        # A fleet gauge is the owner's view, not one per process added up.
+        assert "kvroute_gateway_healthy_workers 1.0" in text
+
+
+async def test_a_front_without_its_owner_routes_on_load_alone(socket_path: str) -> None:
+    remote = RemoteIndex(socket_path)
+    assert await remote.longest_prefix([1, 2, 3]) == {}  # never connected
+    with pytest.raises(OSError):
+        await remote.connect(lambda: asyncio.sleep(0, b""), timeout_s=0.2)
+
+
+def test_processes_need_replica_sync(smollm2: Path) -> None:
+    from gateway.config import GatewayConfig
+
+    with pytest.raises(ValueError, match="--replica-sync"):
+        GatewayConfig(model_dir=smollm2, processes=2, replica_sync=False)
+
+
+async def test_the_real_cli_serves_one_port_from_two_processes(
+    redis_url: str, chat_tok: ChatTokenizer
+) -> None:
+    ns, port = namespace(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "kvroute_cli", "gateway", "--model", "smollm2"),
+            *("--redis-url", redis_url, "--redis-namespace", ns, "--host", "127.0.0.1"),
+            *("--port", str(port), "--processes", "2", "--access-log", "false"),
+        ],
+        cwd=ROOT,
+        env=env,
+    )
+    redis = aioredis.Redis.from_url(redis_url)
+    workers: list[FakeWorker] = []
+    try:
+        hashes = []
+        for i in range(3):
+            reply = [*chat_tok.encode_text("Hello"), 2]
+            worker = await FakeWorker(f"w{i}", reply).start()
+            workers.append(worker)
+            reg = FakeRegistration(redis, RedisLayout(ns), f"w{i}", worker.address, SPEC)
+            await reg.register()
+            if i == 1:
+                hashes = _hashes(chat_tok)
+                await reg.store(hashes)
+        base = f"http://127.0.0.1:{port}"
+        await _ready(base, proc)
+        body = {"model": MODEL, "messages": LONG, "max_tokens": 4}
+        seen = []
+        # A new connection per request: the kernel spreads them over both processes.
+        for _ in range(24):
+            async with _fresh() as s, s.post(base + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                seen.append(resp.headers["x-kvroute-worker"])
+        assert set(seen) == {"w1"}, seen  # every process found the prefix on w1
+        for _ in range(4):
+            async with _fresh() as s, s.get(base + "/metrics") as resp:
+                text = await resp.text()
+            assert 'kvroute_gateway_responses_total{code="200"} 24.0' in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        for worker in workers:
+            await worker.stop()
+        await redis.aclose()
+    assert code == 0
+    # The fronts stopped with the owner: nothing listens on the port any more.
+    with pytest.raises(aiohttp.ClientConnectionError):
+        async with aiohttp.ClientSession() as s:
+            await s.get(f"http://127.0.0.1:{port}/health")
+
+
+def _fresh() -> aiohttp.ClientSession:
+    """A client that opens a new connection per request (each lands on either process)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+
+def _hashes(tok: ChatTokenizer) -> list[int]:
+    return block_hashes(tok.encode_text(tok.render(LONG)), SPEC)
+
+
+async def _ready(base: str, proc: subprocess.Popen[bytes]) -> None:
+    """Waits until both processes answer ready with the three workers (new
+    connections land on either: each answer names its process)."""
+    ready: set[int] = set()
+    for _ in range(1200):
+        assert proc.poll() is None, "the gateway exited"
+        async with _fresh() as s:
+            try:
+                async with s.get(base + "/readyz?workers=3") as resp:
+                    if resp.status == 200:
+                        ready.add((await resp.json())["pid"])
+            except aiohttp.ClientConnectionError:
+                pass
+        if len(ready) == 2:
+            return
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"ready processes: {ready}, not 2")
