@@ -124,6 +124,7 @@ def test_gateway_deployment_flags_probes_and_scaling() -> None:
         "--session-ttl",
         "--stream-interval",
         "--replica-sync",
+        "--processes",
         "--max-queue-per-worker",
         "--log-level",
         "--grpc-token-file",
