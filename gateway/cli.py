@@ -284,6 +284,7 @@ async def serve(config: GatewayConfig, argv: list[str] | None = None) -> None:
     from gateway.edge.app import create_app
     from gateway.edge.app_keys import STATE
     from gateway.processes import FrontProcesses
+    from gateway.routing.index_share import RemoteIndex
     from openai_api.server_log import redact_parser_errors
 
     redact_parser_errors()
@@ -325,6 +326,9 @@ async def serve(config: GatewayConfig, argv: list[str] | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    pod = app[STATE].pod
+    if isinstance(pod, RemoteIndex):
+        pod.listening()
     fronts = None
     if config.processes > 1:
         port = runner.addresses[0][1]  # the one the OS gave, with --port 0

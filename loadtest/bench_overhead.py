@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -48,6 +49,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +166,15 @@ def _pct(values: list[float], q: float) -> float:
 # -- routers -------------------------------------------------------------------------
 
 
+def _ready(router: Router) -> bool:
+    with (
+        contextlib.suppress(urllib.error.URLError),
+        urllib.request.urlopen(router.url + "/readyz", timeout=2) as resp,
+    ):
+        return bool(resp.status == 200)
+    return False
+
+
 class Router:
     """One router process: kvroute's gateway or a peer binary."""
 
@@ -192,7 +204,9 @@ class Router:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {tail}")
             try:
                 out = asyncio.run(_load(self.url, [body], 1, 0.01))
-                if out["latencies_ms"]:
+                # kvroute's /readyz also waits for a multi-process gateway's every process:
+                # a connection made before they all listen stays on the first one.
+                if out["latencies_ms"] and (not self.name.startswith("kvroute") or _ready(self)):
                     return
             except OSError:
                 pass

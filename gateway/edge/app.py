@@ -127,13 +127,17 @@ async def _readyz(request: web.Request) -> web.Response:
         want = int(request.query.get("workers", "0"))
     except ValueError:
         raise APIError(400, "workers must be an integer", param="workers") from None
+    # A multi-process gateway's owner is ready once every front listens too.
+    pod, fronts = state.pod, state.config.processes - 1
+    listening = pod.fronts_listening() if isinstance(pod, IndexServer) else fronts
     body = {
-        "ready": loaded and healthy >= want,
+        "ready": loaded and healthy >= want and listening >= fronts,
         "serving": state.ready(),
         "redis": state.mirror.redis_ok,
         "snapshot": state.mirror.has_snapshot,
         "healthy_workers": healthy,
         "pid": os.getpid(),  # which process of a multi-process gateway answered
+        "processes": 1 + listening,
     }
     return web.json_response(body, status=200 if body["ready"] else 503)
 

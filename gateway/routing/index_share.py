@@ -13,6 +13,9 @@ What crosses the socket, framed as ``HEADER`` (body length, kind, call id) and a
   front's own next look-up, sent after on the same socket, sees it;
 - ``B`` -> ``b`` every worker's block count (JSON), which the router's load
   model reads; fronts refresh it every ``COUNTS_S``;
+- ``H`` (no answer) a front listens on the port: the owner's ``/readyz`` waits for
+  every front, so no client connects to a pod whose fronts are still starting
+  (its connections would all stay on the owner);
 - ``R`` -> ``r`` the pod's metrics: the owner asks every front for its own
   (``M`` -> ``m``) and merges them with its own (``gateway.observe.metrics_merge``),
   so a scrape that lands on any process sees the whole pod.
@@ -128,6 +131,7 @@ class _OwnerSide(_Link):
     def __init__(self, server: IndexServer) -> None:
         super().__init__()
         self.server = server
+        self.listening = False  # the front said it listens on the port
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -154,6 +158,8 @@ class _OwnerSide(_Link):
         elif kind == 66:  # B
             counts = {w: index.block_count(w) for w in index.workers()}
             self.send(b"b", call, json.dumps(counts).encode())
+        elif kind == 72:  # H
+            self.listening = True
         elif kind == 82:  # R
             task = asyncio.ensure_future(self.server.pod_metrics())
             task.add_done_callback(lambda t: self._answer_metrics(call, t))
@@ -188,6 +194,9 @@ class IndexServer:
                     front.transport.close()
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
+
+    def fronts_listening(self) -> int:
+        return sum(front.listening for front in self.fronts)
 
     async def pod_metrics(self) -> bytes:
         """This process's metrics merged with every front's (a front that does not
@@ -279,6 +288,11 @@ class RemoteIndex:
 
     def block_count(self, worker_id: str) -> int:
         return self.counts.get(worker_id, 0)
+
+    def listening(self) -> None:
+        """Tells the owner this front accepts connections on the port."""
+        if self.link is not None:
+            self.link.send(b"H", 0)
 
     async def refresh_counts(self) -> None:
         if self.link is None:

@@ -41,8 +41,15 @@ def socket_path() -> Iterator[str]:
 
 async def _owner_and_front(make_gateway: MakeGateway, path: str) -> tuple[Harness, Harness]:
     ns = namespace()
-    owner = await make_gateway(redis_namespace=ns, index_socket=path, index_owner=True)
+    owner = await make_gateway(redis_namespace=ns, index_socket=path, index_owner=True, processes=2)
     front = await make_gateway(redis_namespace=ns, index_socket=path)
+    # The owner is not ready before its front listens (``gateway.cli`` says when).
+    await eventually(lambda: owner.state.mirror.has_snapshot, what="owner loaded")
+    assert (await owner.client.get("/readyz")).status == 503
+    assert isinstance(front.state.pod, RemoteIndex)
+    front.state.pod.listening()
+    await eventually(lambda: owner.state.pod.fronts_listening() == 1, what="front listens")  # type: ignore[union-attr]
+    assert (await owner.client.get("/readyz")).status == 200
     assert isinstance(owner.state.pod, IndexServer)
     assert isinstance(front.state.pod, RemoteIndex)
     return owner, front
