@@ -272,6 +272,8 @@ def measure(router: Router, workload: str, bodies: list[bytes], seconds: float) 
         "p50_ms": _pct(hot["latencies_ms"], 0.5),
         "p99_ms": _pct(hot["latencies_ms"], 0.99),
         "p50_ms_c1": _pct(c1["latencies_ms"], 0.5),
+        # Cores the router kept busy at c=64 (above 1: it used more than one).
+        "cores_used": cpu / hot["elapsed_s"],
         "errors": hot["errors"] + c1["errors"],
     }
 
@@ -378,6 +380,7 @@ def summarize(
                 "p50_ms": round(med(rows, "p50_ms"), 2),
                 "p99_ms": round(med(rows, "p99_ms"), 2),
                 "added_p50_ms_c1": round(med(rows, "p50_ms_c1") - direct[w], 3),
+                "cores_used": round(med(rows, "cores_used"), 2),
                 "errors": sum(r["errors"] for r in rows),
             }
         if "stream_128" in per and "chat_small" in per:
