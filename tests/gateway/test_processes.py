@@ -157,7 +157,7 @@ async def test_the_real_cli_serves_one_port_from_two_processes(
                 hashes = _hashes(chat_tok)
                 await reg.store(hashes)
         base = f"http://127.0.0.1:{port}"
-        await _ready(base, proc)
+        pids = await _ready(base, proc)
         body = {"model": MODEL, "messages": LONG, "max_tokens": 4}
         seen = []
         # A new connection per request: the kernel spreads them over both processes.
@@ -170,6 +170,11 @@ async def test_the_real_cli_serves_one_port_from_two_processes(
             async with _fresh() as s, s.get(base + "/metrics") as resp:
                 text = await resp.text()
             assert 'kvroute_gateway_responses_total{code="200"} 24.0' in text
+        # A front that dies is started again by the owner.
+        (front,) = pids - {proc.pid}
+        os.kill(front, signal.SIGKILL)
+        again = await _ready(base, proc, timeout_s=120)
+        assert proc.pid in again and front not in again
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -196,11 +201,12 @@ def _hashes(tok: ChatTokenizer) -> list[int]:
     return block_hashes(tok.encode_text(tok.render(LONG)), SPEC)
 
 
-async def _ready(base: str, proc: subprocess.Popen[bytes]) -> None:
-    """Waits until both processes answer ready with the three workers (new
+async def _ready(base: str, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> set[int]:
+    """The two processes' pids, once both answer ready with the three workers (new
     connections land on either: each answer names its process)."""
     ready: set[int] = set()
-    for _ in range(1200):
+    give_up = time.monotonic() + timeout_s
+    while time.monotonic() < give_up:
         assert proc.poll() is None, "the gateway exited"
         async with _fresh() as s:
             try:
@@ -210,6 +216,6 @@ async def _ready(base: str, proc: subprocess.Popen[bytes]) -> None:
             except aiohttp.ClientConnectionError:
                 pass
         if len(ready) == 2:
-            return
+            return ready
         await asyncio.sleep(0.05)
     raise TimeoutError(f"ready processes: {ready}, not 2")
