@@ -127,17 +127,17 @@ async def _readyz(request: web.Request) -> web.Response:
         want = int(request.query.get("workers", "0"))
     except ValueError:
         raise APIError(400, "workers must be an integer", param="workers") from None
-    # A multi-process gateway's owner is ready once every front listens too.
+    # A multi-process gateway's owner is ready once every front has listened.
     pod, fronts = state.pod, state.config.processes - 1
-    listening = pod.fronts_listening() if isinstance(pod, IndexServer) else fronts
+    started = pod.started(fronts) if isinstance(pod, IndexServer) else True
     body = {
-        "ready": loaded and healthy >= want and listening >= fronts,
+        "ready": loaded and healthy >= want and started,
         "serving": state.ready(),
         "redis": state.mirror.redis_ok,
         "snapshot": state.mirror.has_snapshot,
         "healthy_workers": healthy,
         "pid": os.getpid(),  # which process of a multi-process gateway answered
-        "processes": 1 + listening,
+        "processes": 1 + (pod.fronts_listening() if isinstance(pod, IndexServer) else 0),
     }
     return web.json_response(body, status=200 if body["ready"] else 503)
 

@@ -179,6 +179,7 @@ class IndexServer:
         self.index = index
         self.fronts: set[_OwnerSide] = set()
         self._server: asyncio.AbstractServer | None = None
+        self._started = False
 
     async def start(self, render: Render) -> None:
         """Listens; ``render`` gives this process's own metrics."""
@@ -198,6 +199,13 @@ class IndexServer:
     def fronts_listening(self) -> int:
         return sum(front.listening for front in self.fronts)
 
+    def started(self, fronts: int) -> bool:
+        """Whether all ``fronts`` have listened at least once: readiness waits for that
+        at start-up only (a front that restarts later leaves the others serving)."""
+        if not self._started and self.fronts_listening() >= fronts:
+            self._started = True
+        return self._started
+
     async def pod_metrics(self) -> bytes:
         """This process's metrics merged with every front's (a front that does not
         answer within ``ASK_TIMEOUT_S`` is left out; its counters come back with it)."""
@@ -207,10 +215,10 @@ class IndexServer:
         asks = [front.ask(b"M") for front in self.fronts]
         texts = [own]
         if asks:
-            done = await asyncio.wait_for(
-                asyncio.gather(*asks, return_exceptions=True), ASK_TIMEOUT_S
-            )
-            texts += [t for t in done if isinstance(t, bytes)]
+            done, late = await asyncio.wait(asks, timeout=ASK_TIMEOUT_S)
+            for fut in late:
+                fut.cancel()
+            texts += [f.result() for f in done if f.exception() is None]
         return merge_metrics(texts)
 
 

@@ -219,3 +219,32 @@ async def _ready(base: str, proc: subprocess.Popen[bytes], timeout_s: float = 60
             return ready
         await asyncio.sleep(0.05)
     raise TimeoutError(f"ready processes: {ready}, not 2")
+
+
+async def test_a_front_that_does_not_answer_leaves_the_owners_metrics(
+    socket_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.routing import index_share
+    from gateway.routing.index import BlockIndex
+
+    monkeypatch.setattr(index_share, "ASK_TIMEOUT_S", 0.2)
+    owner_text = b"# TYPE kvroute_gateway_x_total counter\nkvroute_gateway_x_total 3.0\n"
+
+    async def owner_render() -> bytes:
+        return owner_text
+
+    async def hung_render() -> bytes:
+        await asyncio.sleep(3600)
+        return b""
+
+    server = IndexServer(socket_path, BlockIndex())
+    await server.start(owner_render)
+    front = RemoteIndex(socket_path)
+    await front.connect(hung_render)
+    try:
+        started = time.monotonic()
+        text = (await server.pod_metrics()).decode()
+        assert time.monotonic() - started < 2
+        assert "kvroute_gateway_x_total 3.0" in text
+    finally:
+        await server.close()
