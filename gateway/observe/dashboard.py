@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.edge.app_keys import STATE, GatewayState
-from gateway.observe.fleet_window import Delta, FleetWindow
+from gateway.observe.fleet_window import Delta, FleetWindow, Key, read_counters
 
 _PAGE = Path(__file__).parent / "static" / "dashboard.html"
 WINDOW = web.AppKey("fleet_window", FleetWindow)
@@ -60,10 +61,16 @@ def _counts(d: Delta, name: str, label: str, **match: str) -> dict[str, int]:
     return out
 
 
-def snapshot(state: GatewayState, window: FleetWindow, window_s: float) -> dict[str, Any]:
-    """Everything the page shows, as plain JSON."""
+def snapshot(
+    state: GatewayState,
+    window: FleetWindow,
+    window_s: float,
+    counters: dict[Key, float] | None = None,
+) -> dict[str, Any]:
+    """Everything the page shows, as plain JSON (traffic from ``counters`` when given:
+    a multi-process gateway's, merged across its processes)."""
     now = time.monotonic()
-    d = window.delta(now, window_s)
+    d = window.delta(now, window_s, counters)
     healthy = {e.record.worker_id for e in state.dispatcher.healthy()}
     workers = []
     for wid, entry in sorted(state.mirror.workers.items()):
@@ -122,4 +129,9 @@ async def data(request: web.Request) -> web.Response:
     except ValueError:
         window_s = DEFAULT_WINDOW_S
     window_s = min(max(window_s, 1.0), request.app[WINDOW].max_window_s)
-    return web.json_response(snapshot(request.app[STATE], request.app[WINDOW], window_s))
+    state = request.app[STATE]
+    counters = None
+    if state.pod is not None:  # one process of several: show the whole pod's traffic
+        text = (await state.pod.pod_metrics()).decode()
+        counters = read_counters(text_string_to_metric_families(text))
+    return web.json_response(snapshot(state, request.app[WINDOW], window_s, counters))

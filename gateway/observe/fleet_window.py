@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
 PREFIX = "kvroute_gateway_"
@@ -29,10 +31,11 @@ class Reading:
     values: dict[Key, float]
 
 
-def read_counters(registry: CollectorRegistry) -> dict[Key, float]:
-    """Samples of the registry's counters and histograms, keyed by name and labels."""
+def read_counters(families: Iterable[Metric]) -> dict[Key, float]:
+    """Samples of the counters and histograms among ``families`` (a registry's
+    ``collect()``, or a parsed exposition), keyed by name and labels."""
     out: dict[Key, float] = {}
-    for family in registry.collect():
+    for family in families:
         if family.type not in ("counter", "histogram") or not family.name.startswith(PREFIX):
             continue
         for s in family.samples:
@@ -118,10 +121,13 @@ class FleetWindow:
         self.started_at = now
         self._readings: deque[Reading] = deque([Reading(now, {})])
 
-    def read(self, now: float) -> Reading:
-        """A fresh reading for ``now``; kept as a future window start at most every
+    def read(self, now: float, values: dict[Key, float] | None = None) -> Reading:
+        """A fresh reading for ``now`` (of ``values`` when given: a multi-process
+        gateway's merged counters); kept as a future window start at most every
         ``min_interval_s``, so many open pages do not grow the history."""
-        reading = Reading(now, read_counters(self.registry))
+        if values is None:
+            values = read_counters(self.registry.collect())
+        reading = Reading(now, values)
         if now - self._readings[-1].at >= self.min_interval_s:
             self._readings.append(reading)
         # Keep one reading older than the longest window, as that window's start.
@@ -129,9 +135,9 @@ class FleetWindow:
             self._readings.popleft()
         return reading
 
-    def delta(self, now: float, window_s: float) -> Delta:
+    def delta(self, now: float, window_s: float, values: dict[Key, float] | None = None) -> Delta:
         """Changes from the last reading at least ``window_s`` old (else the first) to now."""
-        end = self.read(now)
+        end = self.read(now, values)
         start = self._readings[0]
         for reading in self._readings:
             if now - reading.at >= window_s:

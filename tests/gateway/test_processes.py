@@ -248,3 +248,19 @@ async def test_a_front_that_does_not_answer_leaves_the_owners_metrics(
         assert "kvroute_gateway_x_total 3.0" in text
     finally:
         await server.close()
+
+
+async def test_the_dashboard_at_any_process_shows_the_whole_pods_traffic(
+    make_gateway: MakeGateway, socket_path: str
+) -> None:
+    owner, front = await _owner_and_front(make_gateway, socket_path)
+    await owner.add_worker("w0")
+    await eventually(lambda: front.state.mirror.workers, what="front sees the worker")
+    for g, n in ((owner, 1), (front, 2)):
+        for _ in range(n):
+            assert (await g.chat(LONG)).status == 200
+    for g in (owner, front):
+        data = await (await g.client.get("/dashboard/data")).json()
+        assert data["fleet"]["responses"] == {"200": 3}
+        (worker,) = data["workers"]
+        assert worker["reasons"] and sum(worker["reasons"].values()) == 3
