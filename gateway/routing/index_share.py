@@ -79,7 +79,7 @@ class _Link(asyncio.Protocol):
         self.transport = None
         for fut in self._waiting.values():
             if not fut.done():
-                fut.set_exception(ConnectionError("the gateway's index owner went away"))
+                fut.set_exception(ConnectionError("the other end of the index socket went away"))
         self._waiting.clear()
         if not self.closed.done():
             self.closed.set_result(None)
