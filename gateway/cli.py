@@ -27,6 +27,7 @@ from aiohttp import web
 from contract.grpc_auth import read_token_file
 from contract.redis_url import PASSWORD_ENV, with_password
 from gateway.config import LOG_LEVELS, GatewayConfig
+from gateway.processes import FrontProcesses, usable_cores
 from gateway.routing.router import POLICIES, RouterConfig
 from gateway.text.tokenizer_folder import resolve_model_dir
 
@@ -162,8 +163,8 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, Any, str]] = [
         "--processes",
         int,
         1,
-        "processes serving the port, one per core to use; the first holds the block index "
-        "and the others ask it (the index is not copied)",
+        "processes serving the port, one per core to use (0 = one per usable core); the first "
+        "holds the block index and the others ask it (the index is not copied)",
     ),
     ("--index-socket", str, "", "internal: a front process's link to its gateway's index owner"),
 ]
@@ -256,7 +257,7 @@ def config_from_args(argv: list[str]) -> GatewayConfig:
         grpc_mux=v["--grpc-mux"],
         worker_frames=v["--worker-frames"],
         fast_bpe=v["--fast-bpe"],
-        processes=v["--processes"],
+        processes=v["--processes"] or usable_cores(),
         index_socket=v["--index-socket"],
     )
 
@@ -283,7 +284,6 @@ async def serve(config: GatewayConfig, argv: list[str] | None = None) -> None:
     processes too, started with ``argv``, the flags this process was given)."""
     from gateway.edge.app import create_app
     from gateway.edge.app_keys import STATE
-    from gateway.processes import FrontProcesses
     from gateway.routing.index_share import RemoteIndex
     from openai_api.server_log import redact_parser_errors
 

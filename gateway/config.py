@@ -91,7 +91,7 @@ class GatewayConfig:
             (self.registry_poll_s > 0, "registry_poll_s must be > 0"),
             (self.max_retries >= 0, "max_retries must be >= 0"),
             (self.index_max_entries >= 0, "--index-max-entries must be >= 0"),
-            (1 <= self.processes <= 256, "--processes must be in [1, 256]"),
+            (1 <= self.processes <= 256, "--processes must be in [0, 256] (0 = one per core)"),
             (
                 self.processes == 1 or self.replica_sync,
                 "--processes above 1 needs --replica-sync true: the processes share "

@@ -14,13 +14,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import os
 import signal
 import sys
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 RESTART_S = 1.0
 STOP_S = 15.0
+CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "quota period", or "max period"
+
+
+def usable_cores(cpu_max: Path = CPU_MAX) -> int:
+    """Cores this process may use: its CPU affinity, capped by a cgroup CPU quota (a
+    Kubernetes CPU limit), rounded up; what ``--processes 0`` starts."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit to read: the affinity decides
+    return cores
 
 
 class FrontProcesses:

@@ -264,3 +264,20 @@ async def test_the_dashboard_at_any_process_shows_the_whole_pods_traffic(
         assert data["fleet"]["responses"] == {"200": 3}
         (worker,) = data["workers"]
         assert worker["reasons"] and sum(worker["reasons"].values()) == 3
+
+
+def test_processes_0_is_one_per_usable_core(tmp_path: Path, smollm2: Path) -> None:
+    from gateway.cli import config_from_args
+    from gateway.processes import usable_cores
+
+    cores = len(os.sched_getaffinity(0))
+    limit = tmp_path / "cpu.max"
+    limit.write_text("max 100000\n")
+    assert usable_cores(limit) == cores
+    limit.write_text("50000 100000\n")  # half a core: still one process
+    assert usable_cores(limit) == 1
+    limit.write_text(f"{cores * 100000 + 1} 100000\n")  # a limit above the affinity
+    assert usable_cores(limit) == cores
+    assert usable_cores(tmp_path / "absent") == cores
+    config = config_from_args(["--model", str(smollm2), "--processes", "0"])
+    assert config.processes == usable_cores()
