@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 ROUTERS = ("kvroute", "round_robin", "sglang", "vllm")
 # With --engine emulated (loadtest.peers_matrix): kvroute's variants named as in the issue.
 EMULATED_ROUTERS = ("kvroute", "kvroute_3_replicas", "kvroute_round_robin", "sglang", "vllm")
+# On request only: the fleet's gateway as two processes on one port (``--processes 2``).
+EXTRA_ROUTERS = ("kvroute_2_processes",)
 PEER_PACKAGES = ("sglang-router", "vllm-router")
 PEER_DEPS = ("setproctitle", "aiohttp", "orjson", "uvicorn", "fastapi", "requests")
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +73,7 @@ class PeersConfig:
     router_startup_s: float = 60.0
 
     def __post_init__(self) -> None:
-        known = (*ROUTERS, *EMULATED_ROUTERS)
+        known = (*ROUTERS, *EMULATED_ROUTERS, *EXTRA_ROUTERS)
         unknown = [r for r in self.routers if r not in known]
         if unknown or not self.routers:
             raise ValueError(f"--routers {','.join(self.routers)!r}: choose from {known}")

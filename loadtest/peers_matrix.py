@@ -10,6 +10,7 @@ running across workloads. Routers:
 - ``kvroute``: the fleet's gateway; ``kvroute_3_replicas``: that gateway and
   two more on the same Redis, the client spreading requests round robin over
   the three; ``kvroute_round_robin``: the gateway with ``--policy round_robin``;
+  ``kvroute_2_processes`` (only when asked for): the gateway with ``--processes 2``;
 - ``sglang`` / ``vllm``: the peers with ``--policy cache_aware``.
 
 Workloads: ``mooncake`` (the Mooncake conversation trace replayed by aiperf
@@ -320,6 +321,8 @@ def run_router(
     work = Path(tempfile.mkdtemp(prefix=f"kvroute-matrix-{router}-"))
     # Sixteen workers on a loaded 2-core host can take minutes to register.
     fleet_cfg = replace(fleet_config(cfg, policy, router), startup_timeout=900.0)
+    if router == "kvroute_2_processes":
+        fleet_cfg = replace(fleet_cfg, gateway_args=(*fleet_cfg.gateway_args, "--processes", "2"))
     with Fleet(fleet_cfg) as fleet:
         worker_urls = [w.http_url for w in fleet.workers]
         urls = [fleet.gateway_url]

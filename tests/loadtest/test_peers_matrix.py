@@ -75,6 +75,15 @@ def test_verdict_needs_kvroute_best_on_every_figure() -> None:
     assert verdict({"w": missing})["target_met"] is False
     replicas_off = {**rows, "kvroute_3_replicas": row(0.8, 0.1, 0.5)}
     assert verdict({"w": replicas_off})["target_met"] is False
+    # Two processes are checked like replicas, but only when they were measured.
+    assert "kvroute_2_processes" not in verdict({"w": rows})["checks"]["w"]
+    slow_processes = {**rows, "kvroute_2_processes": row(0.9, 0.1, 0.6)}
+    result = verdict({"w": slow_processes})
+    assert result["target_met"] is False
+    assert result["checks"]["w"]["kvroute_2_processes"] == {
+        "hit_rate_within_5pct": True,
+        "ttft_p99_within_5pct": False,
+    }
     assert "| w | kvroute | 0.900 | 100.0 ms | 500.0 ms | 100 | 0.10 |" in markdown(
         {"workloads": {"w": rows}}
     )
