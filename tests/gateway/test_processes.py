@@ -55,6 +55,19 @@ async def _owner_and_front(make_gateway: MakeGateway, path: str) -> tuple[Harnes
     return owner, front
 
 
+async def _pod_served(
+    make_gateway: MakeGateway, path: str, at_owner: int, at_front: int
+) -> tuple[Harness, Harness]:
+    """An owner and a front with one worker, after ``at_owner`` and ``at_front`` chats."""
+    owner, front = await _owner_and_front(make_gateway, path)
+    await owner.add_worker("w0")
+    await eventually(lambda: front.state.mirror.workers, what="front sees the worker")
+    for g, n in ((owner, at_owner), (front, at_front)):
+        for _ in range(n):
+            assert (await g.chat(LONG)).status == 200
+    return owner, front
+
+
 async def test_a_front_routes_by_the_owners_index_and_keeps_none(
     make_gateway: MakeGateway, socket_path: str
 ) -> None:
@@ -102,13 +115,7 @@ async def test_a_fronts_routing_is_speculated_in_the_owners_index(
 async def test_metrics_at_any_process_count_the_whole_pod(
     make_gateway: MakeGateway, socket_path: str
 ) -> None:
-    owner, front = await _owner_and_front(make_gateway, socket_path)
-    await owner.add_worker("w0")
-    await eventually(lambda: front.state.mirror.workers, what="front sees the worker")
-    for g, n in ((owner, 2), (front, 3)):
-        for _ in range(n):
-            assert (await g.chat(LONG)).status == 200
-    for g in (owner, front):
+    for g in await _pod_served(make_gateway, socket_path, at_owner=2, at_front=3):
         text = await (await g.client.get("/metrics")).text()
         assert 'kvroute_gateway_responses_total{code="200"} 5.0' in text
         # A fleet gauge is the owner's view, not one per process added up.
@@ -253,13 +260,7 @@ async def test_a_front_that_does_not_answer_leaves_the_owners_metrics(
 async def test_the_dashboard_at_any_process_shows_the_whole_pods_traffic(
     make_gateway: MakeGateway, socket_path: str
 ) -> None:
-    owner, front = await _owner_and_front(make_gateway, socket_path)
-    await owner.add_worker("w0")
-    await eventually(lambda: front.state.mirror.workers, what="front sees the worker")
-    for g, n in ((owner, 1), (front, 2)):
-        for _ in range(n):
-            assert (await g.chat(LONG)).status == 200
-    for g in (owner, front):
+    for g in await _pod_served(make_gateway, socket_path, at_owner=1, at_front=2):
         data = await (await g.client.get("/dashboard/data")).json()
         assert data["fleet"]["responses"] == {"200": 3}
         (worker,) = data["workers"]

@@ -80,10 +80,8 @@ def test_verdict_needs_kvroute_best_on_every_figure() -> None:
     slow_processes = {**rows, "kvroute_2_processes": row(0.9, 0.1, 0.6)}
     result = verdict({"w": slow_processes})
     assert result["target_met"] is False
-    assert result["checks"]["w"]["kvroute_2_processes"] == {
-        "hit_rate_within_5pct": True,
-        "ttft_p99_within_5pct": False,
-    }
+    processes = result["checks"]["w"]["kvroute_2_processes"]
+    assert processes["hit_rate_within_5pct"] and not processes["ttft_p99_within_5pct"]
     assert "| w | kvroute | 0.900 | 100.0 ms | 500.0 ms | 100 | 0.10 |" in markdown(
         {"workloads": {"w": rows}}
     )
