@@ -28,13 +28,13 @@ from gateway.observe.window_stats import RequestRecord, RollingStats
 from gateway.routing.index import BlockIndex
 from gateway.routing.index_share import RemoteIndex
 from gateway.routing.jobs import Candidates, Job, Stream, stream_interval
-from gateway.routing.load import GatewayLoad, router_view
+from gateway.routing.load import GatewayLoad, router_row
 from gateway.routing.mirror import IndexMirror
 from gateway.routing.mirror_state import WorkerEntry
 from gateway.routing.prefix_demand import PrefixDemand
 from gateway.routing.record_check import RecordCheck
 from gateway.routing.replicas import ReplicaSync
-from gateway.routing.router import Decision, Router, RouteRequest, WorkerState
+from gateway.routing.router import ROW_FIELDS, Decision, Router, RouteRequest, Row, WorkerState
 from gateway.routing.sessions import SessionMap
 from gateway.upstream.base import Chunk, Upstream, UpstreamCall, UpstreamError
 from openai_api.errors import APIError
@@ -45,6 +45,7 @@ _FAILED_COOLDOWN_S = 2.0  # a worker that refused a call is skipped this long
 _WATCH_S = 0.25  # how often a request waiting for its first token checks on its worker
 DEFAULT_TRANSPORT = "grpc"
 _NEVER = float("inf")
+_WAITING = ROW_FIELDS.index("waiting")
 
 
 class Dispatcher:
@@ -149,13 +150,17 @@ class Dispatcher:
 
     def state(self, entry: WorkerEntry, cached_blocks: int) -> WorkerState:
         """The router's view of ``entry``: its heartbeat, corrected by this gateway's own view."""
+        return WorkerState(entry.record.worker_id, *self._row(entry, cached_blocks))
+
+    def _row(self, entry: WorkerEntry, cached_blocks: int) -> Row:
+        """``state`` as a ``router.ROW_FIELDS`` row (no object per worker)."""
         wid = entry.record.worker_id
         load = self.loads.get(wid)
         if load is None:
             load = self.loads[wid] = GatewayLoad()
         peer = self.replicas.peer_load(wid) if self.replicas is not None else None
         peers = (peer.inflight, peer.pending, peer.pending_prefill_tokens) if peer else (0, 0, 0)
-        return router_view(entry.record, load, cached_blocks, self.index.block_count(wid), peers)
+        return router_row(entry.record, load, cached_blocks, self.index.block_count(wid), peers)
 
     # -- routing: candidates -> hash -> look up -> choose ---------------------------
 
@@ -218,10 +223,12 @@ class Dispatcher:
 
     def choose(self, job: Job, cands: Candidates, cached: dict[str, int]) -> Decision:
         """The router's pick (and ranked fallbacks); 429 when every queue is full."""
-        states = [self.state(e, cached.get(e.record.worker_id, 0)) for e in cands.entries]
-        if self.max_queue_per_worker > 0 and all(
-            max(s.waiting, self.loads[s.worker_id].pending) >= self.max_queue_per_worker
-            for s in states
+        ids = [e.record.worker_id for e in cands.entries]
+        rows = [self._row(e, cached.get(wid, 0)) for e, wid in zip(cands.entries, ids, strict=True)]
+        limit = self.max_queue_per_worker
+        if limit > 0 and all(
+            max(row[_WAITING], self.loads[wid].pending) >= limit
+            for wid, row in zip(ids, rows, strict=True)
         ):
             raise APIError(
                 429,
@@ -239,7 +246,7 @@ class Dispatcher:
         )
         if self.replicas is not None:
             self.router.replica_rank, self.router.replica_count = self.replicas.rank()
-        return self.router.choose(request, states)
+        return self.router.choose_rows(request, ids, rows)
 
     def _demand(self, cands: Candidates, cached: dict[str, int], now: float) -> float:
         """How many requests lately wanted this one's longest cached prefix (it included)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from contract.redis_layout import WorkerRecord
-from gateway.routing.router import WorkerState
+from gateway.routing.router import Row
 
 
 @dataclass
@@ -52,22 +52,21 @@ def corrected_load(
     return new_running, new_waiting, max(queued, pending_prefill)
 
 
-def router_view(
+def router_row(
     rec: WorkerRecord,
     load: GatewayLoad,
     cached_blocks: int,
     held_blocks: int,
     peers: tuple[int, int, int] = (0, 0, 0),
-) -> WorkerState:
-    """The router's view of a worker: its heartbeat ``rec``, corrected by this gateway's ``load``.
+) -> Row:
+    """The router's view of a worker as a row of ``WorkerState``'s fields after its id
+    (``router.ROW_FIELDS``): its heartbeat ``rec``, corrected by this gateway's ``load``.
 
     ``peers`` is what the other gateway replicas have in flight there
     (inflight, pending, pending prefill tokens; ``gateway.routing.replicas``).
     """
     if load.heartbeat != rec.updated_at:
         load.saw_record(rec.updated_at)
-    inflight = load.inflight + peers[0]
-    pending = load.pending + peers[1]
     pending_prefill = load.pending_prefill_tokens + peers[2]
     running, waiting, queued = rec.running, rec.waiting, rec.queued_prefill_tokens
     finished = load.finished - load.finished_at_heartbeat
@@ -76,15 +75,14 @@ def router_view(
         running, waiting, queued = corrected_load(
             running, waiting, queued, finished, pending_prefill
         )
-    return WorkerState(
-        rec.worker_id,
+    return (
         cached_blocks,
         running,
         waiting,
         queued,
         rec.prefill_tokens_per_s,
-        inflight,
-        pending,
+        load.inflight + peers[0],
+        load.pending + peers[1],
         held_blocks,
         rec.num_blocks,
     )

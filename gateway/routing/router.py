@@ -95,6 +95,7 @@ The ``kvroute`` policy, step by step:
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -155,8 +156,9 @@ class WorkerState:
         return min(self.held_blocks / self.capacity_blocks, 1.0)
 
 
-# The WorkerState fields step 2-4 read, in the column order ``_kvroute`` unpacks.
-_FIELDS = (
+# The WorkerState fields step 2-4 read, in the column order ``_kvroute`` unpacks: every
+# field after ``worker_id``, in order, so a row is ``WorkerState(worker_id, *row)``.
+ROW_FIELDS = (
     "cached_blocks",
     "running",
     "waiting",
@@ -167,7 +169,8 @@ _FIELDS = (
     "held_blocks",
     "capacity_blocks",
 )
-_COLUMNS = attrgetter(*_FIELDS)
+_COLUMNS = attrgetter(*ROW_FIELDS)
+Row = tuple[int, int, int, int, float, int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -273,6 +276,24 @@ class Router:
         self.replica_rank, self.replica_count = 0, 1
 
     # -- public ---------------------------------------------------------------
+
+    def choose_rows(self, request: RouteRequest, ids: list[str], rows: list[Row]) -> Decision:
+        """``choose`` over workers given as ids and ``ROW_FIELDS`` rows (``WorkerState``
+        without its objects: a large fleet's rows go to numpy as they are).
+
+        ``ids`` sorted, as ``choose`` sorts its workers; the same decision as
+        ``choose([WorkerState(i, *r) ...])``.
+        """
+        if self.config.policy != "kvroute" or len(ids) <= SMALL_FLEET:
+            return self.choose(
+                request, [WorkerState(i, *r) for i, r in zip(ids, rows, strict=True)]
+            )
+        if request.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if any(a > b for a, b in itertools.pairwise(ids)):
+            order = sorted(range(len(ids)), key=ids.__getitem__)
+            ids, rows = [ids[i] for i in order], [rows[i] for i in order]
+        return self._kvroute_columns(request, ids, np.array(rows, dtype=np.float64))
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:
         """The worker for ``request`` among ``workers``; ``ValueError`` if there are none."""
@@ -381,12 +402,16 @@ class Router:
     # -- internals ------------------------------------------------------------
 
     def _kvroute(self, request: RouteRequest, ws: list[WorkerState]) -> Decision:
+        rows = np.array(list(map(_COLUMNS, ws)), dtype=np.float64)
+        return self._kvroute_columns(request, [w.worker_id for w in ws], rows)
+
+    def _kvroute_columns(self, request: RouteRequest, ids: list[str], rows: np.ndarray) -> Decision:
         # Steps 2-4 over columns (numpy): a 1,000-worker fleet whose every worker
         # holds the system prompt is scored in well under a millisecond. The
         # arithmetic is ``score``'s, in the same order, so the costs are equal bit
         # for bit (tests/gateway/test_router.py checks it on random fleets).
-        n, cfg = len(ws), self.config
-        cols = np.array(list(map(_COLUMNS, ws)), dtype=np.float64).reshape(n, len(_FIELDS))
+        n, cfg = len(ids), self.config
+        cols = rows.reshape(n, len(ROW_FIELDS))
         blocks, running, waiting, queued, rate, inflight, pending, held, capacity = cols.T
         if not (rate > 0).all():  # rare once running: a worker that has not prefilled yet
             rate = np.array(with_typical_rates(rate.tolist(), cfg.default_prefill_tokens_per_s))
@@ -409,7 +434,6 @@ class Router:
         cost = work / rate + np.maximum(running, inflight) * cfg.decode_weight_s
         best = cost[~over].min()
         tied = np.flatnonzero(~over & (cost <= best * (1 + TIE_RELATIVE) + TIE_ABSOLUTE_S))
-        ids = [w.worker_id for w in ws]
         session = next((int(i) for i in tied if ids[i] == request.session_worker), None)
         if session is not None and len(tied) > 1:
             chosen, reason = session, "session"

@@ -8,6 +8,7 @@ import pytest
 
 from gateway.routing.router import (
     FILL_TIE,
+    SMALL_FLEET,
     TIE_ABSOLUTE_S,
     TIE_RELATIVE,
     Decision,
@@ -486,3 +487,37 @@ def test_the_small_fleet_path_decides_exactly_as_the_numpy_path() -> None:
             got = small._kvroute_small(request, ws)
             assert got == columns._kvroute(request, ws), (trial, ws, request)
             assert small._cursor == columns._cursor
+
+
+def test_rows_decide_as_worker_states_do() -> None:
+    # choose_rows (the Dispatcher's path: no WorkerState per worker) against choose,
+    # on fleets either side of SMALL_FLEET, ids in any order, same rotation.
+    rng = random.Random(12)
+    for trial in range(200):
+        n = rng.choice([1, 5, SMALL_FLEET, SMALL_FLEET + 1, 64, 200])
+        policy = rng.choice(["kvroute", "kvroute", "least_loaded"])
+        config = RouterConfig(policy=policy)
+        by_states, by_rows = (
+            Router(config, rotation_start=trial),
+            Router(config, rotation_start=trial),
+        )
+        ids = [f"w{i:03d}" for i in range(n)]
+        rng.shuffle(ids)
+        rows = [
+            (
+                rng.choice([0, 0, 3, 9]),
+                rng.randrange(4),
+                rng.choice([0, 0, 2]),
+                rng.choice([0, 512, 40_000]),
+                rng.choice([0.0, 9000.0]),
+                rng.randrange(3),
+                rng.choice([0, 1]),
+                rng.randrange(1200),
+                rng.choice([0, 1000]),
+            )
+            for _ in ids
+        ]
+        request = req(rng.choice([40, 160]), session=rng.choice([None, ids[0]]))
+        states = [WorkerState(i, *r) for i, r in zip(ids, rows, strict=True)]
+        assert by_rows.choose_rows(request, ids, rows) == by_states.choose(request, states), trial
+        assert by_rows._cursor == by_states._cursor
