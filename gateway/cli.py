@@ -287,13 +287,13 @@ async def serve(config: GatewayConfig, argv: list[str] | None = None) -> None:
     from gateway.routing.index_share import RemoteIndex
     from openai_api.server_log import redact_parser_errors
 
-    redact_parser_errors()
+    redact_parser_errors()  # aiohttp would log an over-long header's first 100 bytes
     socket_dir = None
-    if config.processes > 1:
+    if config.processes > 1:  # this process owns the index; its socket lives here
         socket_dir = tempfile.mkdtemp(prefix="kvroute-gateway-")
         config = replace(
             config, index_socket=os.path.join(socket_dir, "index.sock"), index_owner=True
-        )  # aiohttp would log an over-long header's first 100 bytes
+        )
     app = create_app(config)
     owner_lost = app[STATE].owner_lost
     # Cancelling a handler when its client disconnects aborts the worker request too.
