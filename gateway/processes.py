@@ -59,7 +59,6 @@ class FrontProcesses:
         ]
         self.count = count
         self.procs: list[asyncio.subprocess.Process | None] = [None] * count
-        self.starts = 0  # processes started, restarts included (tests, logs)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
 
@@ -70,7 +69,6 @@ class FrontProcesses:
         while not self._stopping:
             proc = await asyncio.create_subprocess_exec(*self.argv)
             self.procs[i] = proc
-            self.starts += 1
             if self._stopping:  # stop() began while this one started
                 proc.send_signal(signal.SIGTERM)
             code = await proc.wait()

@@ -39,6 +39,7 @@ from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
+from gateway.observe.metrics_merge import merge_metrics
 from gateway.routing.index import BlockIndex
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,16 @@ class _Link(asyncio.Protocol):
     def received(self, kind: int, call: int, body: bytes) -> None:
         raise NotImplementedError
 
+    def answer_later(self, kind: bytes, call: int, work: Awaitable[bytes]) -> None:
+        """Answers ``call`` with ``work``'s result once it is done (nothing if it fails:
+        the asker's timeout covers it)."""
+
+        def send(task: asyncio.Future[bytes]) -> None:
+            if not task.cancelled() and task.exception() is None:
+                self.send(kind, call, task.result())
+
+        asyncio.ensure_future(work).add_done_callback(send)
+
 
 _ANSWERS = frozenset(b"lbrm")
 
@@ -161,14 +172,9 @@ class _OwnerSide(_Link):
         elif kind == 72:  # H
             self.listening = True
         elif kind == 82:  # R
-            task = asyncio.ensure_future(self.server.pod_metrics())
-            task.add_done_callback(lambda t: self._answer_metrics(call, t))
+            self.answer_later(b"r", call, self.server.pod_metrics())
         else:
             logger.warning("index socket: unknown frame kind %r from a front", chr(kind))
-
-    def _answer_metrics(self, call: int, task: asyncio.Future[bytes]) -> None:
-        if not task.cancelled() and task.exception() is None:
-            self.send(b"r", call, task.result())
 
 
 class IndexServer:
@@ -209,8 +215,6 @@ class IndexServer:
     async def pod_metrics(self) -> bytes:
         """This process's metrics merged with every front's (a front that does not
         answer within ``ASK_TIMEOUT_S`` is left out; its counters come back with it)."""
-        from gateway.observe.metrics_merge import merge_metrics
-
         own = await self.render()
         asks = [front.ask(b"M") for front in self.fronts]
         texts = [own]
@@ -231,12 +235,7 @@ class _FrontSide(_Link):
 
     def received(self, kind: int, call: int, body: bytes) -> None:
         if kind == 77:  # M
-            task = asyncio.ensure_future(self.render())
-            task.add_done_callback(lambda t: self._answer(call, t))
-
-    def _answer(self, call: int, task: asyncio.Future[bytes]) -> None:
-        if not task.cancelled() and task.exception() is None:
-            self.send(b"m", call, task.result())
+            self.answer_later(b"m", call, self.render())
 
 
 class RemoteIndex:
