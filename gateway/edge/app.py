@@ -33,7 +33,7 @@ from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RollingStats
 from gateway.routing.dispatch import Dispatcher
 from gateway.routing.index import BlockIndex
-from gateway.routing.index_share import IndexServer, RemoteIndex, front_tasks
+from gateway.routing.index_share import IndexServer, RemoteIndex, front_tasks, pod_id
 from gateway.routing.mirror import IndexMirror
 from gateway.routing.record_check import RecordCheck
 from gateway.routing.replicas import ReplicaSync
@@ -301,6 +301,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
             speculative_ttl_s=config.speculative_ttl_s,
             known_worker=mirror.workers.__contains__,
             prefix_demand=dispatcher.prefix_demand,
+            pod=pod_id(config.index_socket) if config.index_socket else "",
         )
     keys = (
         ApiKeys.load(config.api_keys_file, config.tenant_salt_secret)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import struct
@@ -51,6 +52,12 @@ COUNTS_S = 0.5  # how often a front refreshes the workers' block counts
 ASK_TIMEOUT_S = 5.0  # a metrics question to a front (look-ups wait without a timer)
 
 Render = Callable[[], Awaitable[bytes]]
+
+
+def pod_id(index_socket: str) -> str:
+    """A short id that every process of one gateway derives from its index socket's
+    path (the owner makes that path unique: a fresh temporary directory)."""
+    return hashlib.blake2b(index_socket.encode(), digest_size=4).hexdigest()
 
 
 def _chain_bytes(chain: Sequence[int]) -> bytes:

@@ -47,6 +47,13 @@ key (Redis Cluster serves it from one slot) and a reader that blipped resumes
 where it was. Redis being down only loses the sharing: routing goes on from
 the local view, and the loops retry.
 
+The processes of one multi-process gateway (``--processes``) are replicas of
+each other too, but their owner's index already saw every chain they routed
+(on the index socket, ``gateway.routing.index_share``): their ids share the
+gateway's ``pod`` prefix, the owner applies no chain from its own pod, and a
+process leaves chains out while no live peer outside its pod keeps an index
+(a 6k-token chat's chain was speculated twice at the owner: 4 % of its CPU).
+
 What no stream can share is a burst: requests reaching every replica in the
 same few milliseconds are routed before any entry about them arrives. So each
 replica also knows its rank among the live ones (``rank``: gateway ids in
@@ -113,6 +120,7 @@ class ReplicaSync:
         speculative_ttl_s: float,
         known_worker: Callable[[str], bool],
         prefix_demand: PrefixDemand | None = None,
+        pod: str = "",
     ) -> None:
         self.client_factory = client_factory
         self.stream_key = stream_key
@@ -122,7 +130,9 @@ class ReplicaSync:
         self.speculative_ttl_s = speculative_ttl_s
         self.known_worker = known_worker
         self.prefix_demand = prefix_demand
-        self.gateway_id = uuid.uuid4().hex[:12]
+        # "<pod>.<own>" for a process of a multi-process gateway, else a plain id.
+        self.pod = pod
+        self.gateway_id = f"{pod}.{uuid.uuid4().hex[:8]}" if pod else uuid.uuid4().hex[:12]
         self._outbox: list[dict[str, bytes | str]] = []
         self._finished_unsent: dict[str, int] = {}  # worker id -> own finishes not yet sent
         self._dirty = False
@@ -157,9 +167,10 @@ class ReplicaSync:
     ) -> None:
         """Tells the others that a request (its block chain, its session, the end of its
         longest cached prefix) went to ``worker_id``."""
-        if self.alone(time.monotonic()):
+        now = time.monotonic()
+        if self.alone(now):
             return
-        entry = self._chain_entry(worker_id, chain, hold_s)
+        entry = self._chain_entry(worker_id, chain if self._chains_wanted(now) else [], hold_s)
         if session_key:
             entry["s"] = session_key
         if wanted_prefix is not None:
@@ -170,7 +181,7 @@ class ReplicaSync:
 
     def settled(self, worker_id: str, chain: list[int], ttl_s: float) -> None:
         """Tells the others how much longer ``chain`` counts as held (0: withdrawn)."""
-        if chain and not self.alone(time.monotonic()):
+        if chain and self._chains_wanted(time.monotonic()):
             self._outbox.append(self._chain_entry(worker_id, chain, ttl_s))
             self._wake.set()
 
@@ -203,6 +214,20 @@ class ReplicaSync:
         if now - self._listening_since < PEER_TTL_S:
             return False
         return not any(_heard_lately(at, now) for at, _ in self._peers.values())
+
+    def _chains_wanted(self, now: float) -> bool:
+        """Whether a peer may apply this replica's chains: one outside its pod is live,
+        or it has not listened for ``PEER_TTL_S`` yet (not alone, then, either)."""
+        if now - self._listening_since < PEER_TTL_S:
+            return True
+        return any(
+            _heard_lately(at, now) and not self.same_pod(gid)
+            for gid, (at, _) in self._peers.items()
+        )
+
+    def same_pod(self, gateway_id: str) -> bool:
+        """Whether ``gateway_id`` is another process of this replica's gateway."""
+        return bool(self.pod) and gateway_id.startswith(self.pod + ".")
 
     def _loads_entry(self) -> dict[str, bytes | str]:
         view = {
@@ -313,8 +338,14 @@ class ReplicaSync:
         if not self.known_worker(wid):
             return
         chain = fields.get(b"c")
-        # A front process of a gateway keeps no index: its owner applies the chain.
-        if chain and self.speculative_ttl_s > 0 and self.index is not None:
+        # A front process of a gateway keeps no index, and its owner had the chains of
+        # its own pod on the index socket already.
+        if (
+            chain
+            and self.speculative_ttl_s > 0
+            and self.index is not None
+            and not self.same_pod(gid)
+        ):
             hashes = np.frombuffer(chain, dtype="<u8").tolist()
             seconds = _seconds(fields.get(b"t"), self.speculative_ttl_s)
             if seconds > 0:

@@ -112,6 +112,54 @@ async def test_a_fronts_routing_is_speculated_in_the_owners_index(
     assert again.headers["x-kvroute-worker"] == wid
 
 
+async def _chains_from(g: Harness) -> list[bool]:
+    """Per entry ``g`` wrote to the routes stream that names a worker: whether it has a chain."""
+    sync = g.state.dispatcher.replicas
+    assert sync is not None
+    entries = await g.redis.xrange(sync.stream_key)
+    mine = sync.gateway_id.encode()
+    return [b"c" in f for _, f in entries if f.get(b"g") == mine and b"w" in f]
+
+
+async def test_the_processes_of_a_gateway_share_chains_only_with_other_gateways(
+    make_gateway: MakeGateway, socket_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.routing import replicas
+
+    monkeypatch.setattr(replicas, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(replicas, "PEER_TTL_S", 0.6)
+    owner, front = await _owner_and_front(make_gateway, socket_path)
+    for wid in ("w0", "w1"):
+        await owner.add_worker(wid)
+    await eventually(lambda: len(front.state.mirror.workers) == 2, what="front sees the fleet")
+    owner_sync, front_sync = owner.state.dispatcher.replicas, front.state.dispatcher.replicas
+    assert owner_sync is not None and front_sync is not None
+    assert owner_sync.same_pod(front_sync.gateway_id) and front_sync.same_pod(owner_sync.gateway_id)
+    await asyncio.sleep(replicas.PEER_TTL_S)  # past the start-up window: the peers are known
+    # The owner's index has the front's chain from the index socket: the stream carries
+    # the front's session and load, but no chain for the owner to speculate twice.
+    resp = await front.chat(LONG, user="u1")
+    assert resp.status == 200, await resp.text()
+    wid = resp.headers["x-kvroute-worker"]
+    chain = owner.chat_hashes(LONG)
+    assert owner.state.index.longest_prefix(chain, time.monotonic()).get(wid) == len(chain)
+    await asyncio.sleep(0.1)  # the front's flush (2 ms) is on the stream
+    assert await _chains_from(front) == [False]  # a route entry, no settle entry
+    # Another gateway (another pod, its own index) joins: chains go to it again.
+    other = await make_gateway(redis_namespace=owner.state.config.redis_namespace)
+    await eventually(lambda: len(other.state.mirror.workers) == 2, what="other sees the fleet")
+    await eventually(lambda: front_sync.rank()[1] == 3, what="the front hears the other gateway")
+    long2 = [{"role": "user", "content": "another prompt of a few blocks, for the others " * 12}]
+    resp = await front.chat(long2, user="u2")
+    assert resp.status == 200, await resp.text()
+    wid2, chain2 = resp.headers["x-kvroute-worker"], owner.chat_hashes(long2)
+    await eventually(
+        lambda: other.state.index.longest_prefix(chain2, time.monotonic()).get(wid2) == len(chain2),
+        what="the other gateway speculates the front's chain",
+    )
+    assert (await _chains_from(front))[1:] == [True, True]  # route and settle
+
+
 async def test_metrics_at_any_process_count_the_whole_pod(
     make_gateway: MakeGateway, socket_path: str
 ) -> None:
