@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from contract.hashing import block_hashes
 from contract.redis_layout import RedisLayout
 from gateway.routing.index_share import IndexServer, RemoteIndex
+from gateway.routing.replicas import unbatched
 from gateway.text.tokenizer import ChatTokenizer
 from loadtest.fleet import free_port
 from tests.gateway.conftest import MODEL, SPEC, Harness, MakeGateway
@@ -116,9 +117,9 @@ async def _chains_from(g: Harness) -> list[bool]:
     """Per entry ``g`` wrote to the routes stream that names a worker: whether it has a chain."""
     sync = g.state.dispatcher.replicas
     assert sync is not None
-    entries = await g.redis.xrange(sync.stream_key)
+    entries = [e for _, batch in await g.redis.xrange(sync.stream_key) for e in unbatched(batch)]
     mine = sync.gateway_id.encode()
-    return [b"c" in f for _, f in entries if f.get(b"g") == mine and b"w" in f]
+    return [b"c" in e for e in entries if e.get(b"g") == mine and b"w" in e]
 
 
 async def test_the_processes_of_a_gateway_share_chains_only_with_other_gateways(

@@ -13,6 +13,7 @@ import time
 from functools import partial
 from typing import Any
 
+import numpy as np
 import pytest
 
 from gateway.routing import replicas
@@ -211,8 +212,9 @@ async def _entry_kinds(g: Harness) -> list[str]:
     sync = g.state.dispatcher.replicas
     assert sync is not None
     kinds = []
-    for _, fields in await g.redis.xrange(sync.stream_key):
-        kinds.append("loads" if b"l" in fields else "route" if b"s" in fields else "settle")
+    for _, batch in await g.redis.xrange(sync.stream_key):
+        for fields in replicas.unbatched(batch):
+            kinds.append("loads" if b"l" in fields else "route" if b"s" in fields else "settle")
     return kinds
 
 
@@ -278,3 +280,21 @@ async def test_a_dead_redis_only_loses_the_sharing(caplog: pytest.LogCaptureFixt
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_a_flush_is_one_stream_entry_and_single_entries_still_read() -> None:
+    import msgpack
+
+    chain = np.asarray([7, 8], dtype="<u8").tobytes()
+    batch = {b"g": b"p1.a", b"b": msgpack.packb([{"w": "w0", "c": chain, "t": "2"}, {"l": "{}"}])}
+    entries = list(replicas.unbatched(batch))
+    assert entries == [
+        {b"w": b"w0", b"c": chain, b"t": b"2", b"g": b"p1.a"},
+        {b"l": b"{}", b"g": b"p1.a"},
+    ]
+    # An entry as replicas before batching wrote it (a replica mid-upgrade) reads as is.
+    single = {b"g": b"old", b"w": b"w0", b"t": b"2"}
+    assert list(replicas.unbatched(single)) == [single]
+    for bad in (b"\xc1", msgpack.packb({"w": "w0"}), msgpack.packb([1, 2])):
+        with pytest.raises(ValueError):
+            list(replicas.unbatched({b"g": b"x", b"b": bad}))
