@@ -95,6 +95,10 @@ KEEPALIVE_S = 1.0  # a replica's loads go out at least this often, changed or no
 PEER_TTL_S = 3.0  # a peer's loads count this long after its last entry
 MAXLEN = 20_000  # entries kept in the stream (approximately)
 MAX_CHAIN = 2048  # blocks of a chain shared (32k tokens at block size 16)
+# Entries per stream entry, and stream entries per read: a read holds at most ~1,000
+# entries (up to 16 MB of chains), as when every entry was a stream entry of its own.
+MAX_BATCH = 64
+READ_COUNT = 16
 _RETRY_S = 1.0
 
 
@@ -268,11 +272,13 @@ class ReplicaSync:
                     self._dirty = False
                     batch.append(self._loads_entry())
                     last_loads = now
-                if not batch:
-                    continue
-                packed = {"g": self.gateway_id, "b": msgpack.packb(batch)}
                 try:
-                    await client.xadd(self.stream_key, packed, maxlen=MAXLEN, approximate=True)
+                    for at in range(0, len(batch), MAX_BATCH):
+                        packed = {
+                            "g": self.gateway_id,
+                            "b": msgpack.packb(batch[at : at + MAX_BATCH]),
+                        }
+                        await client.xadd(self.stream_key, packed, maxlen=MAXLEN, approximate=True)
                     outage.over()
                 except (RedisError, OSError) as exc:
                     # Lost entries only cost sharing; the next loads entry repairs the counts.
@@ -372,7 +378,7 @@ class ReplicaSync:
             while True:
                 try:
                     reply = await client.xread(
-                        {self.stream_key: last}, count=1000, block=int(KEEPALIVE_S * 1000)
+                        {self.stream_key: last}, count=READ_COUNT, block=int(KEEPALIVE_S * 1000)
                     )
                     outage.over()
                 except (RedisError, OSError) as exc:

@@ -298,3 +298,46 @@ def test_a_flush_is_one_stream_entry_and_single_entries_still_read() -> None:
     for bad in (b"\xc1", msgpack.packb({"w": "w0"}), msgpack.packb([1, 2])):
         with pytest.raises(ValueError):
             list(replicas.unbatched({b"g": b"x", b"b": bad}))
+
+
+async def test_a_long_flush_goes_in_batches_a_peer_applies_in_order(redis_url: str) -> None:
+    import redis.asyncio as aioredis
+
+    from gateway.routing.index import BlockIndex
+    from gateway.routing.replicas import MAX_BATCH, ReplicaSync
+    from gateway.routing.sessions import SessionMap
+
+    key = f"{namespace()}:routes"
+
+    def sync() -> ReplicaSync:
+        return ReplicaSync(
+            lambda: aioredis.Redis.from_url(redis_url),
+            key,
+            BlockIndex(),
+            SessionMap(60.0),
+            {},
+            speculative_ttl_s=2.0,
+            known_worker=lambda w: True,
+        )
+
+    a, b = sync(), sync()
+    routes = 2 * MAX_BATCH + 10
+    for i in range(routes):  # one flush's worth: the publisher is not running yet
+        a.routed(f"w{i % 3}", [i + 1], f"s{i}", hold_s=5.0)
+    tasks = [*b.start(), *a.start()]
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        await eventually(lambda: b.applied >= routes, what="every route applied at b")
+        stream = await redis.xrange(key)
+        mine = [fields for _, fields in stream if fields[b"g"] == a.gateway_id.encode()]
+        sizes = [len(list(replicas.unbatched(fields))) for fields in mine]
+        assert sizes[:3] == [MAX_BATCH, MAX_BATCH, routes - 2 * MAX_BATCH + 1]  # + a's loads
+        now = time.monotonic()
+        assert b.sessions.get(f"s{routes - 1}", now) == f"w{(routes - 1) % 3}"
+        assert b.index is not None
+        assert b.index.longest_prefix([routes], now) == {f"w{(routes - 1) % 3}": 1}
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await redis.aclose()
