@@ -341,7 +341,7 @@ class Dispatcher:
                 load.pending_prefill_tokens -= uncached
                 self._settle(wid, chain, served=first is not None)
                 if self.replicas is not None:
-                    self.replicas.load_changed()
+                    self.replicas.load_changed(wid)
             series = self.metrics.worker(wid)
             series.requests(reason).inc()
             series.prompt_tokens.inc(len(job.prompt_ids))

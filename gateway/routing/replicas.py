@@ -28,12 +28,17 @@ replicas before 6 December 2026 wrote them, are read too):
   so every replica holds a queued request's chain exactly as long as its own
   router does;
 - a *loads* entry (``l``: JSON ``{worker: [inflight, pending, pending prefill
-  tokens]}``, this replica's whole in-flight view; ``f``: JSON ``{worker:
-  requests}`` that finished there since its previous loads entry) when its
-  counts changed, at most every ``FLUSH_S``, and at least every
-  ``KEEPALIVE_S``. A peer's view replaces its previous one; one not refreshed
+  tokens]}``, this replica's whole in-flight view, at least every
+  ``KEEPALIVE_S``; or ``d``, the same for only the workers whose counts
+  changed since its previous loads entry, zeros for none left; ``f``: JSON
+  ``{worker: requests}`` that finished there since its previous loads entry)
+  when its counts changed, at most every ``FLUSH_S``. A peer's whole view
+  replaces its previous one and a changes entry updates it; one not refreshed
   for ``PEER_TTL_S`` is dropped, so a replica that died stops counting within
-  seconds. A peer's finishes are added to this replica's own
+  seconds. (Every flush used to carry the whole view: with 1,000 busy workers
+  22 KB of JSON, 0.5 ms to write and 0.8 ms for each peer to apply, up to 500
+  times a second.) The others' views are summed as they change, not per
+  read. A peer's finishes are added to this replica's own
   (``GatewayLoad.finished``), so the heartbeat correction
   (``gateway.routing.load``) takes every replica's finishes off.
 
@@ -145,12 +150,14 @@ class ReplicaSync:
         self.gateway_id = f"{pod}.{uuid.uuid4().hex[:8]}" if pod else uuid.uuid4().hex[:12]
         self._outbox: list[dict[str, bytes | str]] = []
         self._finished_unsent: dict[str, int] = {}  # worker id -> own finishes not yet sent
-        self._dirty = False
+        self._dirty = False  # a loads entry is due
+        self._full_due = True  # ... and it is the whole view (a new peer, a lost entry)
+        self._changed: set[str] = set()  # workers whose counts changed since the last one
         self._wake = asyncio.Event()
         # peer gateway id -> (monotonic time of its last loads entry, worker id -> load)
         self._peers: dict[str, tuple[float, dict[str, PeerLoad]]] = {}
-        self._totals: dict[str, PeerLoad] | None = {}
-        self._rank = (0, 1)  # (this replica's rank, live replicas), with _totals
+        self._totals: dict[str, PeerLoad] = {}  # the live peers' views summed per worker
+        self._rank = (0, 1)  # (this replica's rank, live replicas)
         self.applied = 0  # peer entries applied (tests, logs)
         self.tasks: list[asyncio.Task[None]] = []
         self._listening_since = math.inf  # until start(): never alone
@@ -186,6 +193,7 @@ class ReplicaSync:
         if wanted_prefix is not None:
             entry["p"] = str(wanted_prefix)
         self._outbox.append(entry)
+        self._changed.add(worker_id)
         self._dirty = True  # alone() was checked above: the loads go with this entry
         self._wake.set()
 
@@ -203,10 +211,15 @@ class ReplicaSync:
             entry["c"] = np.asarray(chain[:MAX_CHAIN], dtype="<u8").tobytes()
         return entry
 
-    def load_changed(self) -> None:
-        """This replica's in-flight counts changed: send them with the next flush."""
+    def load_changed(self, worker_id: str | None = None) -> None:
+        """This replica's counts on ``worker_id`` changed (None: a peer needs them all):
+        send them with the next flush."""
         if self.alone(time.monotonic()):
             return  # the keepalive still goes, for a replica that starts to find
+        if worker_id is None:
+            self._full_due = True
+        else:
+            self._changed.add(worker_id)
         self._dirty = True
         self._wake.set()
 
@@ -216,6 +229,7 @@ class ReplicaSync:
         if self.alone(time.monotonic()):
             return
         self._finished_unsent[worker_id] = self._finished_unsent.get(worker_id, 0) + 1
+        self._changed.add(worker_id)
         self._dirty = True
         self._wake.set()
 
@@ -239,13 +253,24 @@ class ReplicaSync:
         """Whether ``gateway_id`` is another process of this replica's gateway."""
         return bool(self.pod) and gateway_id.startswith(self.pod + ".")
 
-    def _loads_entry(self) -> dict[str, bytes | str]:
-        view = {
-            wid: [load.inflight, load.pending, load.pending_prefill_tokens]
-            for wid, load in self.loads.items()
-            if load.inflight or load.pending
-        }
-        entry: dict[str, bytes | str] = {"l": json.dumps(view, separators=(",", ":"))}
+    def _loads_entry(self, whole: bool) -> dict[str, bytes | str]:
+        """The whole in-flight view (``l``), or the changes since the last entry (``d``)."""
+        loads = self.loads
+        if whole:
+            view = {
+                wid: [load.inflight, load.pending, load.pending_prefill_tokens]
+                for wid, load in loads.items()
+                if load.inflight or load.pending
+            }
+        else:
+            none = GatewayLoad()
+            view = {}
+            for wid in self._changed:
+                load = loads.get(wid, none)
+                view[wid] = [load.inflight, load.pending, load.pending_prefill_tokens]
+        self._changed = set()
+        key = "l" if whole else "d"
+        entry: dict[str, bytes | str] = {key: json.dumps(view, separators=(",", ":"))}
         if self._finished_unsent:
             # Deltas: an entry lost to a Redis error costs the others only the load
             # correction of those finishes until the worker's next heartbeat.
@@ -257,7 +282,7 @@ class ReplicaSync:
         """Flushes routed entries and load changes to the stream, batched."""
         client = self.client_factory()
         outage = _Outage("publish", "routing alone")
-        last_loads = 0.0
+        last_whole = 0.0
         try:
             while True:
                 try:
@@ -268,10 +293,12 @@ class ReplicaSync:
                 self._wake.clear()
                 batch, self._outbox = self._outbox, []
                 now = time.monotonic()
-                if self._dirty or now - last_loads >= KEEPALIVE_S:
+                whole = self._full_due or now - last_whole >= KEEPALIVE_S
+                if whole or self._dirty:
+                    batch.append(self._loads_entry(whole))
                     self._dirty = False
-                    batch.append(self._loads_entry())
-                    last_loads = now
+                    if whole:
+                        self._full_due, last_whole = False, now
                 try:
                     for at in range(0, len(batch), MAX_BATCH):
                         packed = {
@@ -281,9 +308,10 @@ class ReplicaSync:
                         await client.xadd(self.stream_key, packed, maxlen=MAXLEN, approximate=True)
                     outage.over()
                 except (RedisError, OSError) as exc:
-                    # Lost entries only cost sharing; the next loads entry repairs the counts.
+                    # Lost entries only cost sharing; the next (whole) loads entry repairs
+                    # the counts.
                     outage.failed(exc)
-                    self._dirty = True
+                    self._full_due = self._dirty = True
                     await asyncio.sleep(_RETRY_S)
         finally:
             await _close(client)
@@ -292,8 +320,6 @@ class ReplicaSync:
 
     def peer_load(self, worker_id: str) -> PeerLoad | None:
         """The other replicas' live in-flight counts on ``worker_id`` (None: none)."""
-        if self._totals is None:
-            self._totals = self._sum_peers(time.monotonic())
         return self._totals.get(worker_id)
 
     def rank(self) -> tuple[int, int]:
@@ -302,23 +328,53 @@ class ReplicaSync:
         Every replica computes the same ranks from the same peers, so each can
         take its own share of the fleet's ties (``Router``'s step 4).
         """
-        if self._totals is None:
-            self._totals = self._sum_peers(time.monotonic())
         return self._rank
 
-    def _sum_peers(self, now: float) -> dict[str, PeerLoad]:
-        totals: dict[str, PeerLoad] = {}
-        for gid in [g for g, (at, _) in self._peers.items() if not _heard_lately(at, now)]:
-            del self._peers[gid]
+    def expire(self, now: float) -> None:
+        """Drops the peers not heard for ``PEER_TTL_S`` (the follower calls it per read)."""
+        stale = [g for g, (at, _) in self._peers.items() if not _heard_lately(at, now)]
+        for gid in stale:
+            for wid, p in self._peers.pop(gid)[1].items():
+                self._count(wid, p, -1)
+        if stale:
+            self._ranked()
+
+    def _ranked(self) -> None:
         live = sorted([self.gateway_id, *self._peers])
         self._rank = (live.index(self.gateway_id), len(live))
-        for _, view in self._peers.values():
+
+    def _count(self, worker_id: str, p: PeerLoad, sign: int) -> None:
+        """Adds (``sign`` 1) or takes off (-1) one peer's counts on a worker to the totals."""
+        t = self._totals.get(worker_id)
+        if t is None:
+            t = self._totals[worker_id] = PeerLoad()
+        t.inflight += sign * p.inflight
+        t.pending += sign * p.pending
+        t.pending_prefill_tokens += sign * p.pending_prefill_tokens
+        if not (t.inflight or t.pending or t.pending_prefill_tokens):
+            del self._totals[worker_id]
+
+    def _apply_loads(self, gid: str, raw: bytes, whole: bool, now: float) -> None:
+        """A peer's whole view (``whole``) or its changes, into its view and the totals."""
+        known = self._peers.get(gid)
+        new_peer = known is None or not _heard_lately(known[0], now)
+        view = {} if known is None else known[1]
+        if whole or new_peer:
             for wid, p in view.items():
-                t = totals.setdefault(wid, PeerLoad())
-                t.inflight += p.inflight
-                t.pending += p.pending
-                t.pending_prefill_tokens += p.pending_prefill_tokens
-        return totals
+                self._count(wid, p, -1)
+            view = {}
+        for wid, v in json.loads(raw).items():
+            old = view.pop(wid, None)
+            if old is not None:
+                self._count(wid, old, -1)
+            p = PeerLoad(int(v[0]), int(v[1]), int(v[2]))
+            if p.inflight or p.pending:
+                view[wid] = p
+                self._count(wid, p, 1)
+        self._peers[gid] = (now, view)
+        if new_peer:
+            self._ranked()
+            self.load_changed()  # a replica this one had not seen (lately): answer at once
 
     def apply(self, fields: dict[bytes, bytes], now: float) -> None:
         """Applies one stream entry written by any replica (its own are skipped)."""
@@ -326,22 +382,15 @@ class ReplicaSync:
         if not gid or gid == self.gateway_id:
             return
         self.applied += 1
-        raw_loads = fields.get(b"l")
-        if raw_loads is not None:
-            view = {
-                wid: PeerLoad(int(v[0]), int(v[1]), int(v[2]))
-                for wid, v in json.loads(raw_loads).items()
-            }
+        whole = fields.get(b"l")
+        changes = whole if whole is not None else fields.get(b"d")
+        if changes is not None:
             raw_finished = fields.get(b"f")
             if raw_finished is not None:
                 for wid, n in json.loads(raw_finished).items():
                     if self.known_worker(wid):
                         self.loads.setdefault(wid, GatewayLoad()).finished += int(n)
-            known = self._peers.get(gid)
-            self._peers[gid] = (now, view)
-            self._totals = None
-            if known is None or not _heard_lately(known[0], now):
-                self.load_changed()  # a replica this one had not seen (lately): answer at once
+            self._apply_loads(gid, changes, whole is not None, now)
             return
         wid = fields.get(b"w", b"").decode()
         if not self.known_worker(wid):
@@ -384,6 +433,7 @@ class ReplicaSync:
                 except (RedisError, OSError) as exc:
                     outage.failed(exc)
                     await asyncio.sleep(_RETRY_S)
+                    self.expire(time.monotonic())  # unheard peers age out meanwhile too
                     continue
                 now = time.monotonic()
                 for _, entries in reply or []:
@@ -395,7 +445,7 @@ class ReplicaSync:
                         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
                             logger.warning("replica sync: skipped a malformed entry (%s)", exc)
                 # Peers' views age out even when nothing arrives.
-                self._totals = None
+                self.expire(now)
         finally:
             await _close(client)
 

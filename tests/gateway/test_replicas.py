@@ -341,3 +341,90 @@ async def test_a_long_flush_goes_in_batches_a_peer_applies_in_order(redis_url: s
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await redis.aclose()
+
+
+def _lone_sync(loads: dict[str, Any] | None = None) -> Any:
+    from gateway.routing.index import BlockIndex
+    from gateway.routing.replicas import ReplicaSync
+    from gateway.routing.sessions import SessionMap
+
+    return ReplicaSync(
+        lambda: None,
+        "t:routes",
+        BlockIndex(),
+        SessionMap(60.0),
+        {} if loads is None else loads,
+        speculative_ttl_s=2.0,
+        known_worker=lambda w: True,
+    )
+
+
+def test_a_changes_entry_names_only_the_workers_that_changed() -> None:
+    import json
+
+    from gateway.routing.load import GatewayLoad
+
+    loads = {f"w{i}": GatewayLoad(inflight=2, pending=1) for i in range(100)}
+    sync = _lone_sync(loads)
+    assert set(json.loads(sync._loads_entry(True)["l"])) == set(loads)  # the whole view
+    sync.routed("w7", [1], "s", 5.0)
+    loads["w7"].inflight += 1
+    loads["w9"].inflight = loads["w9"].pending = 0
+    sync.finished("w9")
+    entry = sync._loads_entry(False)
+    assert json.loads(entry["d"]) == {"w7": [3, 1, 0], "w9": [0, 0, 0]}
+    assert json.loads(entry["f"]) == {"w9": 1}
+    assert json.loads(sync._loads_entry(False)["d"]) == {}  # nothing since
+
+
+def test_peer_totals_follow_whole_views_changes_and_expiry() -> None:
+    import json
+    import random
+
+    rng = random.Random(7)
+    sync = _lone_sync()
+    workers = [f"w{i}" for i in range(12)]
+    truth: dict[str, dict[str, list[int]]] = {"p1": {}, "p2": {}, "p3": {}}
+    heard: dict[str, float] = {}
+    now = 1000.0
+    for _ in range(400):
+        now += rng.uniform(0.0, 0.4)
+        gid = rng.choice(list(truth))
+        if rng.random() < 0.05:  # this peer goes quiet: it ages out, and comes back whole
+            now += replicas.PEER_TTL_S + 0.1
+            sync.expire(now)
+            truth = {g: v if _heard(heard, g, now) else {} for g, v in truth.items()}
+        view = truth[gid]
+        changed = rng.sample(workers, rng.randint(1, 4))
+        for wid in changed:
+            counts = [rng.randint(0, 3), rng.randint(0, 2), 0]
+            counts[2] = counts[1] * 100
+            if counts[0] or counts[1]:
+                view[wid] = counts
+            else:
+                view.pop(wid, None)
+        whole = gid not in heard or not _heard(heard, gid, now) or rng.random() < 0.2
+        if whole:
+            fields = {b"g": gid.encode(), b"l": json.dumps(view).encode()}
+        else:
+            delta = {w: view.get(w, [0, 0, 0]) for w in changed}
+            fields = {b"g": gid.encode(), b"d": json.dumps(delta).encode()}
+        sync.apply(fields, now)
+        heard[gid] = now
+        for wid in workers:
+            expected = [0, 0, 0]
+            for g, v in truth.items():
+                if _heard(heard, g, now):
+                    expected = [a + b for a, b in zip(expected, v.get(wid, [0, 0, 0]), strict=True)]
+            got = sync.peer_load(wid)
+            as_list = (
+                [0, 0, 0]
+                if got is None
+                else [got.inflight, got.pending, got.pending_prefill_tokens]
+            )
+            assert as_list == expected, (wid, as_list, expected)
+    assert sync.rank()[1] == 1 + sum(_heard(heard, g, now) for g in truth)
+
+
+def _heard(heard: dict[str, float], gid: str, now: float) -> bool:
+    return gid in heard and now - heard[gid] <= replicas.PEER_TTL_S
