@@ -356,6 +356,10 @@ class ReplicaSync:
 
     def _apply_loads(self, gid: str, raw: bytes, whole: bool, now: float) -> None:
         """A peer's whole view (``whole``) or its changes, into its view and the totals."""
+        # Parsed whole before anything changes: a malformed entry leaves view and totals.
+        parsed = {
+            wid: PeerLoad(int(v[0]), int(v[1]), int(v[2])) for wid, v in json.loads(raw).items()
+        }
         known = self._peers.get(gid)
         new_peer = known is None or not _heard_lately(known[0], now)
         view = {} if known is None else known[1]
@@ -363,11 +367,10 @@ class ReplicaSync:
             for wid, p in view.items():
                 self._count(wid, p, -1)
             view = {}
-        for wid, v in json.loads(raw).items():
+        for wid, p in parsed.items():
             old = view.pop(wid, None)
             if old is not None:
                 self._count(wid, old, -1)
-            p = PeerLoad(int(v[0]), int(v[1]), int(v[2]))
             if p.inflight or p.pending:
                 view[wid] = p
                 self._count(wid, p, 1)

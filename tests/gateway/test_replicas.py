@@ -428,3 +428,14 @@ def test_peer_totals_follow_whole_views_changes_and_expiry() -> None:
 
 def _heard(heard: dict[str, float], gid: str, now: float) -> bool:
     return gid in heard and now - heard[gid] <= replicas.PEER_TTL_S
+
+
+def test_a_malformed_loads_entry_changes_nothing() -> None:
+    sync = _lone_sync()
+    sync.apply({b"g": b"p1", b"l": b'{"w0": [2, 1, 50]}'}, 10.0)
+    for bad in (b'{"w0": [1, 0, 0], "w1": ["x"]}', b'{"w0": [1]}', b"[1, 2]", b"{"):
+        with pytest.raises((ValueError, IndexError, AttributeError)):
+            sync.apply({b"g": b"p1", b"d": bad}, 10.5)
+    p = sync.peer_load("w0")
+    assert p is not None and (p.inflight, p.pending, p.pending_prefill_tokens) == (2, 1, 50)
+    assert sync.peer_load("w1") is None
