@@ -453,7 +453,8 @@ class Dispatcher:
         them); each upstream closes its connection once they are done.
         """
         self.record_check.forget(worker_id)
-        self.loads.pop(worker_id, None)
+        if self.loads.pop(worker_id, None) is not None and self.replicas is not None:
+            self.replicas.load_changed(worker_id)  # the others drop its counts too
         self._down_until.pop(worker_id, None)
         self._cooldowns += 1
         for upstream in self.upstreams.values():
