@@ -53,6 +53,20 @@ def _sync(url: str, key: str, loads: dict[str, GatewayLoad] | None = None) -> Re
     )
 
 
+WAIT_S = 60.0
+
+
+async def _until_following(client: Any, key: str, peer: ReplicaSync) -> None:
+    """Returns once ``peer`` reads the stream: it follows from its first read on, and an
+    entry written before that (a slow start on a busy host) it never sees."""
+    deadline = time.monotonic() + WAIT_S
+    while peer.applied == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the peer did not follow the stream within {WAIT_S} s")
+        await client.xadd(key, {"g": "probe", "l": "{}"})
+        await asyncio.sleep(0.05)
+
+
 async def _round(
     url: str, key: str, mode: str, routes: int, per_flush: int, blocks: int, busy: int
 ) -> float:
@@ -64,7 +78,7 @@ async def _round(
     if mode == "today":
         tasks += publisher.start()
     client = aioredis.Redis.from_url(url)
-    await asyncio.sleep(0.2)  # both listening, the start-up loads entries applied
+    await _until_following(client, key, peer)
     started = time.process_time()
     for i in range(routes):
         chain = [(i << 20) + k for k in range(blocks)]
@@ -92,7 +106,10 @@ async def _round(
         if i % per_flush == per_flush - 1:
             await asyncio.sleep(FLUSH_S)
     last = f"session-{routes - 1}"  # entries apply in order: the last one, then all
+    deadline = time.monotonic() + WAIT_S
     while peer.sessions.get(last, time.monotonic()) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the peer did not apply {routes} routes within {WAIT_S} s")
         await asyncio.sleep(0.001)
     cpu = time.process_time() - started
     for task in tasks:

@@ -324,10 +324,19 @@ async def test_a_long_flush_goes_in_batches_a_peer_applies_in_order(redis_url: s
     routes = 2 * MAX_BATCH + 10
     for i in range(routes):  # one flush's worth: the publisher is not running yet
         a.routed(f"w{i % 3}", [i + 1], f"s{i}", hold_s=5.0)
-    tasks = [*b.start(), *a.start()]
+    tasks = b.start()
     redis = aioredis.Redis.from_url(redis_url)
     try:
-        await eventually(lambda: b.applied >= routes, what="every route applied at b")
+        # b follows from its first read on: a's flush must come after it.
+        while b.applied == 0:
+            await redis.xadd(key, {"g": "probe", "l": "{}"})
+            await asyncio.sleep(0.05)
+        tasks += a.start()
+        last = f"s{routes - 1}"  # entries apply in order: the last one, then all
+        await eventually(
+            lambda: b.sessions.get(last, time.monotonic()) is not None,
+            what="every route applied at b",
+        )
         stream = await redis.xrange(key)
         mine = [fields for _, fields in stream if fields[b"g"] == a.gateway_id.encode()]
         sizes = [len(list(replicas.unbatched(fields))) for fields in mine]
