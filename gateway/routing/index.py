@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.routing.hash_table import (
     EMPTY,
@@ -44,7 +45,14 @@ from gateway.routing.hash_table import (
     Shard,
 )
 from gateway.routing.index_upkeep import IndexUpkeep
-from gateway.routing.speculation import Speculation
+from gateway.routing.speculation import (
+    BITS,
+    EXPIRIES,
+    GENERATION,
+    INF,
+    SOONEST,
+    Speculation,
+)
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,9 @@ class BlockIndex(IndexUpkeep):
         self._sweep_at = 0  # next shard the sweep visits
         self._known: set[str] = set()  # workers with real entries (or a clear) on record
         self._live_bits = 0  # bitset of ordinals that name a worker
+        # Bumped whenever an ordinal stops naming its worker: speculative entries' bitsets
+        # computed before are stale.
+        self._generation = 0
         self._staging_bits = 0  # ordinals being filled by ``stage`` (invisible to lookups)
         self._entries = 0
         self._evictions = 0
@@ -129,6 +140,7 @@ class BlockIndex(IndexUpkeep):
         o = self._ord.pop(worker_id, None)
         if o is None:
             return
+        self._generation += 1
         self._entries -= self._counts[o]
         self._counts[o] = 0
         self._names[o] = None
@@ -273,7 +285,8 @@ class BlockIndex(IndexUpkeep):
 
     def speculate(self, worker_id: str, hashes: Sequence[int], now: float, ttl: float) -> None:
         """Assumes ``worker_id`` holds ``hashes`` until ``now + ttl`` (monotonic seconds)."""
-        self._spec.add(worker_id, hashes, now, ttl)
+        bit = 1 << self._ordinal(worker_id)
+        self._spec.add(worker_id, hashes, now, ttl, bit, self._generation)
 
     def withdraw(self, worker_id: str, hashes: Sequence[int]) -> None:
         """Forgets ``worker_id``'s speculative entries for ``hashes`` (its call failed)."""
@@ -294,7 +307,7 @@ class BlockIndex(IndexUpkeep):
         result: dict[str, int] = {}
         if not hashes:
             return result
-        names, shards, ords = self._names, self._shards, self._ord
+        names, shards, generation = self._names, self._shards, self._generation
         spec = self._spec.by_hash if now is not None else None
         self._tick = tick = (self._tick + 1) & 0xFFFFFFFF
         alive = -1
@@ -316,14 +329,12 @@ class BlockIndex(IndexUpkeep):
                 i = (i + 1) & mask
             # 2. speculative holders that have not expired
             if spec:
-                ws = spec.get(h)
-                if ws:
-                    for w, exp in ws.items():
-                        if exp > now:  # type: ignore[operator]
-                            o = ords.get(w)
-                            if o is None:
-                                o = self._ordinal(w)
-                            bits |= 1 << o
+                e = spec.get(h)
+                if e is not None:
+                    if e[GENERATION] == generation and e[SOONEST] > now:
+                        bits |= e[BITS]
+                    else:
+                        bits |= self._speculative_bits(e, now)  # type: ignore[arg-type]
             # 3. intersect: workers whose run ended here get n blocks
             if n:
                 ended = alive & ~bits
@@ -343,6 +354,19 @@ class BlockIndex(IndexUpkeep):
             result[names[low.bit_length() - 1]] = length  # type: ignore[index]
             alive ^= low
         return result
+
+    def _speculative_bits(self, entry: list[Any], now: float) -> int:
+        """Recomputes a speculative entry's bitset and soonest expiry from its workers."""
+        bits, soonest = 0, INF
+        for w, exp in entry[EXPIRIES].items():
+            if exp > now:
+                o = self._ord.get(w)
+                if o is None:
+                    o = self._ordinal(w)
+                bits |= 1 << o
+                soonest = min(soonest, exp)
+        entry[BITS], entry[SOONEST], entry[GENERATION] = bits, soonest, self._generation
+        return bits
 
     def block_count(self, worker_id: str) -> int:
         """Real blocks the index believes ``worker_id`` holds."""

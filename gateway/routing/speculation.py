@@ -6,40 +6,69 @@ together. The dispatcher holds the entries while the request waits for its
 first token (a queued request's blocks are stored only when its prefill
 runs, however long the queue) and then for a short grace, and withdraws them
 when the worker fails the request. Entries expire from a heap ordered by expiry: ``prune`` costs
-O(expired), not O(all). ``BlockIndex`` owns one and reads ``by_hash`` in its
-lookup loop directly (a method call per block would double the walk's cost).
+O(expired), not O(all).
+
+``BlockIndex`` reads ``by_hash`` in its lookup loop directly (a method call
+per block would double the walk's cost). Each hash's entry keeps, beside its
+workers' expiries, the index's bitset of those workers and the soonest
+expiry among them, valid for one generation of the index's ordinals: while
+both hold, a lookup ORs one int per block instead of visiting each worker
+(a 375-block chain speculated on four workers: 304 -> 186 us a lookup).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from typing import Any
+
+INF = float("inf")
+# An entry: [holder bits (index ordinals), soonest expiry among them, the ordinal
+# generation the two were computed in (STALE: recompute), {worker: expiry}].
+BITS, SOONEST, GENERATION, EXPIRIES = 0, 1, 2, 3
+STALE = -1
 
 
 class Speculation:
-    """hash -> {worker: expiry}, plus a heap of (expiry, n, worker, hashes) to expire them."""
+    """hash -> entry (see above), plus a heap of (expiry, n, worker, hashes) to expire them."""
 
     def __init__(self) -> None:
-        self.by_hash: dict[int, dict[str, float]] = {}
+        self.by_hash: dict[int, list[Any]] = {}
         self._heap: list[tuple[float, int, str, tuple[int, ...]]] = []
         self.added = 0  # speculate() calls so far
         self.pairs = 0  # (hash, worker) entries, expired ones included until pruned
 
-    def add(self, worker_id: str, hashes: Sequence[int], now: float, ttl: float) -> None:
-        """Assumes ``worker_id`` holds ``hashes`` until ``now + ttl`` (monotonic seconds)."""
+    def add(
+        self,
+        worker_id: str,
+        hashes: Sequence[int],
+        now: float,
+        ttl: float,
+        bit: int,
+        generation: int,
+    ) -> None:
+        """Assumes ``worker_id`` (ordinal bit ``bit`` in the index's ``generation``)
+        holds ``hashes`` until ``now + ttl`` (monotonic seconds)."""
         if ttl <= 0 or not hashes:
             return
         expiry = now + ttl
         by_hash = self.by_hash
+        added = 0
         for h in hashes:
-            ws = by_hash.get(h)
-            if ws is None:
-                by_hash[h] = {worker_id: expiry}
-                self.pairs += 1
-            else:
-                if worker_id not in ws:
-                    self.pairs += 1
-                ws[worker_id] = expiry
+            e = by_hash.get(h)
+            if e is None:
+                by_hash[h] = [bit, expiry, generation, {worker_id: expiry}]
+                added += 1
+                continue
+            ws = e[EXPIRIES]
+            if worker_id not in ws:
+                added += 1
+            ws[worker_id] = expiry
+            if e[GENERATION] == generation:
+                e[BITS] |= bit
+                if expiry < e[SOONEST]:
+                    e[SOONEST] = expiry
+        self.pairs += added
         self.added += 1
         heapq.heappush(self._heap, (expiry, self.added, worker_id, tuple(hashes)))
 
@@ -47,10 +76,12 @@ class Speculation:
         """Forgets ``worker_id``'s entries for ``hashes`` at once (their heap items stay)."""
         by_hash = self.by_hash
         for h in hashes:
-            ws = by_hash.get(h)
-            if ws is not None and ws.pop(worker_id, None) is not None:
+            e = by_hash.get(h)
+            if e is not None and e[EXPIRIES].pop(worker_id, None) is not None:
                 self.pairs -= 1
-                if not ws:
+                if e[EXPIRIES]:
+                    e[GENERATION] = STALE
+                else:
                     del by_hash[h]
 
     def prune(self, now: float, limit: int = 0) -> int:
@@ -65,14 +96,17 @@ class Speculation:
         while heap and heap[0][0] <= now and not (limit and gone >= limit):
             _, _, w, hashes = heapq.heappop(heap)
             for h in hashes:
-                ws = by_hash.get(h)
-                if ws is None:
+                e = by_hash.get(h)
+                if e is None:
                     continue
+                ws = e[EXPIRIES]
                 exp = ws.get(w)
                 if exp is not None and exp <= now:
                     del ws[w]
                     gone += 1
-                    if not ws:
+                    if ws:
+                        e[GENERATION] = STALE
+                    else:
                         del by_hash[h]
         self.pairs -= gone
         return gone
@@ -85,4 +119,4 @@ class Speculation:
 
     def nbytes(self) -> int:
         """Estimated memory of the entries and the heap."""
-        return len(self.by_hash) * 300 + len(self._heap) * 120
+        return len(self.by_hash) * 380 + len(self._heap) * 120

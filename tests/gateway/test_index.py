@@ -150,6 +150,65 @@ def test_index_equals_a_plain_model_after_any_sequence_of_events() -> None:
         assert index.longest_prefix(chain) == _reference_prefix(model, chain)
 
 
+def test_speculative_lookups_equal_a_plain_model_while_ordinals_change() -> None:
+    # A lookup ORs each hash's cached bitset of speculating workers while the index's
+    # ordinals and the entries' expiries allow: clears, replaces, staged reloads and
+    # drops renumber workers, and holds are renewed, shortened, withdrawn and pruned
+    # in between. The model: real sets plus (worker, hash) -> expiry.
+    import random
+
+    for seed in range(4):
+        rnd = random.Random(seed)
+        index = BlockIndex()
+        real: dict[str, set[int]] = {}
+        spec: dict[tuple[str, int], float] = {}
+        pool = list(range(60))
+        workers = [f"w{i}" for i in range(12)]
+        now = 0.0
+        for _ in range(3000):
+            op, w = rnd.random(), rnd.choice(workers)
+            chain = pool[: rnd.randint(1, 20)]
+            hashes = rnd.sample(pool, rnd.randint(0, 10))
+            if op < 0.25:
+                ttl = rnd.choice([0.5, 2.0, 8.0])
+                index.speculate(w, chain, now, ttl)
+                spec.update({(w, h): now + ttl for h in chain})
+            elif op < 0.32:
+                index.withdraw(w, hashes)
+                for h in hashes:
+                    spec.pop((w, h), None)
+            elif op < 0.5:
+                index.add(w, hashes)
+                real.setdefault(w, set()).update(hashes)
+            elif op < 0.58:
+                index.remove(w, hashes)
+                real.get(w, set()).difference_update(hashes)
+            elif op < 0.63:
+                index.replace(w, hashes)
+                real[w] = set(hashes)
+            elif op < 0.67:
+                staged = index.stage(w)
+                staged.add(hashes)
+                staged.commit()
+                real[w] = set(hashes)
+            elif op < 0.7:
+                index.drop(w)
+                real.pop(w, None)
+                spec = {k: v for k, v in spec.items() if k[0] != w}
+            elif op < 0.75:
+                index.prune(now)
+            elif op < 0.8:
+                index.maintain(rnd.randint(1, 400))
+            else:
+                now += rnd.choice([0.0, 0.1, 0.7, 3.0])
+                probe = pool[: rnd.randint(1, 25)]
+                model = {
+                    x: real.get(x, set()) | {h for (y, h), e in spec.items() if y == x and e > now}
+                    for x in workers
+                }
+                assert index.longest_prefix(probe, now) == _reference_prefix(model, probe)
+
+
 def test_prune_touches_only_what_expired() -> None:
     index = BlockIndex()
     index.speculate("a", [1, 2], now=0.0, ttl=1.0)
