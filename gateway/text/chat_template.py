@@ -11,6 +11,13 @@ tokens, then the request's ``chat_template_kwargs``), which renders the same
 text. Anything else — tools, a reasoning field, a value that is not a
 string, a keyword that is not a scalar — goes through ``apply_chat_template``.
 
+The sandbox stays: transformers compiles templates in jinja's immutable
+sandbox, which asks ``is_safe_attribute`` on every attribute a template reads
+(``loop.first`` once a message, through ``isinstance`` checks against
+abstract classes). Its answer depends only on the object's type and the
+attribute's name, so ``_remember_safety`` keeps it per (type, name): the
+24-message chat renders in 43 instead of 70 us.
+
 ``DirectTemplate.load`` renders probe conversations both ways and declines
 (the gateway then always calls ``apply_chat_template``) if they differ or if
 transformers no longer offers the compiler it uses.
@@ -19,7 +26,7 @@ transformers no longer offers the compiler it uses.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -38,6 +45,9 @@ PROBE_CHAT: list[dict[str, str]] = [
     {"role": "user", "content": "\t<b>x</b> "},
 ]
 _PROBES = [[{"role": "user", "content": "hi"}], PROBE_CHAT]
+# (type, attribute) answers kept per environment; a template reading attribute names
+# from request data (jinja's ``attr`` filter) cannot grow it past this.
+_SAFETY_ANSWERS_MAX = 4096
 
 
 class DirectTemplate:
@@ -53,10 +63,9 @@ class DirectTemplate:
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
 
-            direct = cls(
-                _compile_jinja_template(tokenizer.get_chat_template()),
-                tokenizer.special_tokens_map,
-            )
+            template = _compile_jinja_template(tokenizer.get_chat_template())
+            _remember_safety(template.environment)
+            direct = cls(template, tokenizer.special_tokens_map)
             for messages in _PROBES:
                 for add in (True, False):
                     expected = tokenizer.apply_chat_template(
@@ -101,3 +110,36 @@ def _plain(messages: Sequence[Mapping[str, Any]]) -> bool:
             if type(value) is not str or key in _REASONING_FIELDS:
                 return False
     return True
+
+
+def _remember_safety(env: Any) -> None:
+    """Keeps a stock jinja sandbox's ``is_safe_attribute`` answers per (type, name).
+
+    Jinja's own checks (a leading underscore, a function's or frame's internals,
+    a method that mutates a list, dict, set or deque) look at nothing but the
+    object's type and the name: exact for every object a template can reach
+    (JSON values and jinja's own runtime objects). An environment whose class
+    answers otherwise is left alone. transformers caches its compiled templates,
+    so its own ``apply_chat_template`` calls share the remembered answers.
+    """
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
+
+    stock = (
+        SandboxedEnvironment.is_safe_attribute,
+        ImmutableSandboxedEnvironment.is_safe_attribute,
+    )
+    if type(env).is_safe_attribute not in stock or "is_safe_attribute" in vars(env):
+        return
+    ask: Callable[[Any, str, Any], bool] = env.is_safe_attribute
+    answers: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        safe = answers.get(key)
+        if safe is None:
+            safe = ask(obj, attr, value)
+            if len(answers) < _SAFETY_ANSWERS_MAX:
+                answers[key] = safe
+        return safe
+
+    env.is_safe_attribute = is_safe_attribute

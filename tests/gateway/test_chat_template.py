@@ -115,3 +115,33 @@ def test_a_template_that_differs_on_the_probes_is_declined(chat_tokenizer: ChatT
             return "changed " + chat_tokenizer.tokenizer.apply_chat_template(messages, **kwargs)
 
     assert DirectTemplate.load(Skewed()) is None
+
+
+def test_remembered_safety_answers_still_refuse_what_the_sandbox_refuses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from jinja2.exceptions import SecurityError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from gateway.text import chat_template
+
+    source = (
+        "{% for m in messages %}{{ loop.first }}{{ m|attr(m['role']) }}{% endfor %}"
+        "{% if tools == 'append' %}{{ messages.append(1) }}{% endif %}"
+    )
+    template = _compile_jinja_template(source)
+    chat_template._remember_safety(template.environment)
+    env = template.environment
+    assert "is_safe_attribute" in vars(env)  # the stock sandbox gets the remembered answers
+    for _ in range(2):  # asked, then remembered: the same answers
+        assert template.render(messages=[{"role": "keys", "content": ""}]).startswith("True")
+        assert "builtin_function" not in template.render(messages=[{"role": "__class__"}])
+        with pytest.raises(SecurityError):
+            template.render(messages=[], tools="append")  # a list mutation
+    # Attribute names read from request data cannot grow the answers without bound.
+    monkeypatch.setattr(chat_template, "_SAFETY_ANSWERS_MAX", 5)
+    names = ["get", "items", "values", "copy", "fromkeys", "popitem"]
+    template.render(messages=[{"role": name} for name in names])
+    remembered = env.is_safe_attribute.__closure__
+    sizes = [len(c.cell_contents) for c in remembered if isinstance(c.cell_contents, dict)]
+    assert sizes == [5]
