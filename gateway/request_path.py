@@ -159,7 +159,7 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     # only the first answer and its new message.
     if isinstance(req, ChatRequest) and any(m.get("role") == "assistant" for m in req.messages):
         answer = relay.detok.output_text
-        if state.tokenizer.answer_is_new(prompt.ids, answer):
+        if state.tokenizer.answer_is_new(prompt, answer):
             state.spawn(state.tokenizer.remember_answer(req.messages, answer))
     return resp
 

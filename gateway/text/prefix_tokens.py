@@ -47,6 +47,7 @@ class Prompt:
     ids: list[int]
     reused: PrefixEntry | None = None  # ids[: len(reused.ids)] came from this entry
     stored: list[PrefixEntry] = field(default_factory=list)  # prefixes of ids now remembered
+    text: str | None = None  # the rendered chat the ids encode (None: not a chat)
 
     def block_hashes(self, spec: HashSpec) -> list[int]:
         """The chain of ``ids`` under ``spec``, hashing only blocks past the reused prefix."""

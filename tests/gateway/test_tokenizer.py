@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contract.hashing import HashSpec, block_hashes
-from gateway.text.prefix_tokens import PrefixTokenCache
+from gateway.text.prefix_tokens import PrefixTokenCache, Prompt
 from gateway.text.tokenizer import ChatTokenizer
 
 
@@ -116,17 +116,20 @@ async def test_pretokenized_answer_leaves_only_the_new_message(
     assert prompt.ids == tok.encode_text(text)
 
 
-def test_an_answer_is_new_once_per_prompt(chat_tokenizer: ChatTokenizer) -> None:
+async def test_an_answer_is_new_once_per_prompt(chat_tokenizer: ChatTokenizer) -> None:
     tok = chat_tokenizer
-    ids = tok.encode_text(tok.render([{"role": "user", "content": "Is it raining?"}]))
-    assert tok.answer_is_new(ids, "yes")
-    assert not tok.answer_is_new(ids, "yes")
-    assert tok.answer_is_new(ids, "no")  # another answer
-    assert tok.answer_is_new(ids[:-1], "yes")  # another prompt
+    text = tok.render([{"role": "user", "content": "Is it raining?"}])
+    prompt = await tok.aencode_rendered(text)
+    assert prompt.text == text
+    assert tok.answer_is_new(prompt, "yes")
+    assert not tok.answer_is_new(prompt, "yes")
+    assert tok.answer_is_new(prompt, "no")  # another answer
+    assert tok.answer_is_new(await tok.aencode_rendered(text[:-1]), "yes")  # another prompt
+    assert not tok.answer_is_new(Prompt(prompt.ids), "maybe")  # not a chat: never remembered
     # Bounded: the least recently seen are forgotten (and then count as new again).
     for i in range(tok._answers_seen_max):
-        tok.answer_is_new([i], "filler")
-    assert tok.answer_is_new(ids, "yes")
+        tok.answer_is_new(Prompt([i], text=str(i)), "filler")
+    assert tok.answer_is_new(prompt, "yes")
 
 
 def test_smollm2_matches_apply_chat_template(smollm2: Path) -> None:
