@@ -23,9 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-import json
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -43,13 +41,13 @@ from gateway.routing.router import Decision
 from gateway.text.prefix_tokens import Prompt
 from gateway.upstream.base import Generation
 from openai_api.errors import APIError
+from openai_api.json_body import parse_body
 from openai_api.requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from openai_api.sampling import SamplingRequest
 from openai_api.tools import JSON, tool_format
 
 SESSION_HEADER = "X-Session-ID"
 MAX_SESSION_ID = 256  # characters of X-Session-ID (the ``user`` field is hashed whatever its size)
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _OFF_LOOP_BYTES = 256 * 1024  # bodies this large are decoded in the executor
 # Chats this long are rendered in the executor. Rendering costs per message (255 short
 # ones: 0.56 ms), hardly per character (2 MB of content: 1 ms): below both, handing the
@@ -230,24 +228,8 @@ async def read_json(request: web.Request) -> Any:
 
 
 def decode_json(raw: bytes) -> Any:
-    """``raw`` as JSON, or a 400 (not JSON, nested too deeply, lone surrogates)."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"invalid JSON body: {exc}", code="invalid_json") from exc
-    except RecursionError as exc:  # nesting deeper than the parser's stack
-        raise APIError(400, "invalid JSON body: nested too deeply", code="invalid_json") from exc
-    if _SURROGATE_ESCAPE.search(raw):
-        # JSON may escape a lone UTF-16 surrogate; no tokenizer can encode one.
-        try:
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise APIError(
-                400,
-                "invalid JSON body: a string holds a lone UTF-16 surrogate",
-                code="invalid_json",
-            ) from exc
-    return body
+    """``raw`` as JSON, or a 400 (``openai_api.json_body``: the workers' parser too)."""
+    return parse_body(raw)
 
 
 def check_model(state: GatewayState, model: str) -> None:

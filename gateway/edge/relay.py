@@ -16,7 +16,6 @@ each with its ``index``. Usage counts the prompt once and every choice's tokens.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -28,6 +27,7 @@ from gateway.routing.jobs import Job, Stream
 from gateway.upstream.base import Chunk, UpstreamError
 from openai_api.detokenizer import Detokenizer
 from openai_api.errors import APIError
+from openai_api.json_body import dumps
 from openai_api.logprobs import (
     Decode,
     TokenLogprobs,
@@ -246,8 +246,10 @@ class Relay:
             raise exc.api_error from exc
         build = chat_response if self.chat else completion_response
         body = build(self.rid, self.model, choices, self.usage())
-        return web.json_response(
-            body, headers=route_headers(self.stream.worker_id, self.stream.reason)
+        return web.Response(
+            body=dumps(body, nonfinite=self.s.logprobs is not None),
+            content_type="application/json",
+            headers=route_headers(self.stream.worker_id, self.stream.reason),
         )
 
     # -- server-sent events ------------------------------------------------------------
@@ -280,7 +282,8 @@ class Relay:
     async def _send(self, obj: dict[str, Any]) -> None:
         if self._resp is None:
             raise RuntimeError("start_sse was not called")
-        await self._resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        lps = self.s.logprobs is not None
+        await self._resp.write(b"data: " + dumps(obj, nonfinite=lps) + b"\n\n")
 
     async def start_sse(
         self, request: web.Request, worker_id: str, reason: str

@@ -25,7 +25,6 @@ import itertools
 import json
 import logging
 import os
-from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path

@@ -9,7 +9,6 @@ typed ``AppKey``s every handler reads.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from openai_api.errors import APIError
+from openai_api.json_body import parse_body
 from openai_api.requests import ChatRequest, parse_chat, parse_completion
 from openai_api.sampling import SamplingRequest
 from openai_api.tools import JSON, Tools, tool_format
@@ -74,10 +74,7 @@ class Job:
 
 
 async def json_body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"invalid JSON body: {exc}", code="invalid_json") from exc
+    body = parse_body(await request.read())
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     return body
