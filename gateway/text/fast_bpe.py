@@ -118,6 +118,9 @@ class FastBpe:
         self._needs_hf = needs_hf
         self._nfc = nfc
         self._specials = encoding.special_tokens_set
+        # ASCII text needs neither check when no ASCII character needs HF (ASCII is
+        # always NFC): ``str.isascii`` takes 0.05 us, the search 11 us on a small chat.
+        self._ascii_fast = needs_hf.search("".join(map(chr, range(128)))) is None
 
     @classmethod
     def load(
@@ -221,10 +224,11 @@ class FastBpe:
 
     def encode(self, text: str) -> list[int] | None:
         """``text``'s ids, added tokens included; None where HF must encode it."""
-        if self._needs_hf.search(text) is not None:
-            return None
-        if self._nfc and not unicodedata.is_normalized("NFC", text):
-            return None
+        if not (self._ascii_fast and text.isascii()):
+            if self._needs_hf.search(text) is not None:
+                return None
+            if self._nfc and not unicodedata.is_normalized("NFC", text):
+                return None
         ids: list[int] = self._encoding.encode(
             text, allowed_special=self._specials, disallowed_special=()
         )

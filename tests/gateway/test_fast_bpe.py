@@ -200,3 +200,22 @@ def test_a_missing_byte_sends_exactly_its_characters_to_hf(
     assert re.search(pattern, inside) and not re.search(pattern, outside)
     assert missing in inside.encode("utf-8") and missing not in outside.encode("utf-8")
     assert _missing_byte_chars(set(range(256)) - {0x80}) is None  # a continuation byte
+
+
+def test_ascii_skips_the_checks_only_when_no_ascii_character_needs_hf() -> None:
+    import re
+
+    class Ids:  # tiktoken's Encoding as FastBpe.encode calls it
+        special_tokens_set: set[str] = set()
+
+        def encode(self, text: str, **_: Any) -> list[int]:
+            return [ord(c) for c in text]
+
+    lacks_a = FastBpe(
+        Ids(), re.compile(_missing_byte_chars(set(range(256)) - {ord("a")}) or ""), False
+    )
+    assert lacks_a.encode("banana") is None and lacks_a.encode("xyz") == [120, 121, 122]
+    full = FastBpe(Ids(), re.compile(_missing_byte_chars(set(range(256)) - {0xF3}) or ""), True)
+    assert full.encode("banana") == [ord(c) for c in "banana"]
+    assert full.encode("\U000c0000") is None  # a lead byte the vocabulary lacks
+    assert full.encode("e\u0301") is None  # not NFC
