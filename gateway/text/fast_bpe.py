@@ -118,9 +118,10 @@ class FastBpe:
         self._needs_hf = needs_hf
         self._nfc = nfc
         self._specials = encoding.special_tokens_set
-        # ASCII text needs neither check when no ASCII character needs HF (ASCII is
-        # always NFC): ``str.isascii`` takes 0.05 us, the search 11 us on a small chat.
-        self._ascii_fast = needs_hf.search("".join(map(chr, range(128)))) is None
+        # ASCII text (always NFC) only needs HF for the ASCII characters the vocabulary
+        # lacks: deleting every other one from its bytes takes 1 us on a small chat,
+        # the search over every class 7-11 us.
+        self._ascii_spelled = bytes(c for c in range(128) if not needs_hf.search(chr(c)))
 
     @classmethod
     def load(
@@ -224,11 +225,13 @@ class FastBpe:
 
     def encode(self, text: str) -> list[int] | None:
         """``text``'s ids, added tokens included; None where HF must encode it."""
-        if not (self._ascii_fast and text.isascii()):
-            if self._needs_hf.search(text) is not None:
+        if text.isascii():
+            if text.encode("ascii").translate(None, self._ascii_spelled):
                 return None
-            if self._nfc and not unicodedata.is_normalized("NFC", text):
-                return None
+        elif self._needs_hf.search(text) or (
+            self._nfc and not unicodedata.is_normalized("NFC", text)
+        ):
+            return None
         ids: list[int] = self._encoding.encode(
             text, allowed_special=self._specials, disallowed_special=()
         )

@@ -202,7 +202,7 @@ def test_a_missing_byte_sends_exactly_its_characters_to_hf(
     assert _missing_byte_chars(set(range(256)) - {0x80}) is None  # a continuation byte
 
 
-def test_ascii_skips_the_checks_only_when_no_ascii_character_needs_hf() -> None:
+def test_ascii_text_goes_to_hf_only_for_the_ascii_characters_the_vocabulary_lacks() -> None:
     import re
 
     class Ids:  # tiktoken's Encoding as FastBpe.encode calls it
@@ -215,6 +215,7 @@ def test_ascii_skips_the_checks_only_when_no_ascii_character_needs_hf() -> None:
         Ids(), re.compile(_missing_byte_chars(set(range(256)) - {ord("a")}) or ""), False
     )
     assert lacks_a.encode("banana") is None and lacks_a.encode("xyz") == [120, 121, 122]
+    assert lacks_a.encode("\u00e0 a") is None  # the non-ASCII path finds it too
     full = FastBpe(Ids(), re.compile(_missing_byte_chars(set(range(256)) - {0xF3}) or ""), True)
     assert full.encode("banana") == [ord(c) for c in "banana"]
     assert full.encode("\U000c0000") is None  # a lead byte the vocabulary lacks
