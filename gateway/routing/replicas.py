@@ -80,7 +80,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -321,6 +321,10 @@ class ReplicaSync:
     def peer_load(self, worker_id: str) -> PeerLoad | None:
         """The other replicas' live in-flight counts on ``worker_id`` (None: none)."""
         return self._totals.get(worker_id)
+
+    def peer_loads(self) -> Mapping[str, PeerLoad]:
+        """``peer_load`` of every worker any other replica has work on (read-only)."""
+        return self._totals
 
     def rank(self) -> tuple[int, int]:
         """(this replica's rank, the number of live replicas): ids in sorted order.

@@ -63,3 +63,40 @@ def test_healthy_is_reused_until_the_mirror_or_a_cooldown_changes() -> None:
     assert d.healthy() == []
     time.sleep(0.25)
     assert [e.record.worker_id for e in d.healthy()] == ["a"]
+
+
+def test_hash_groups_workers_by_spec_and_context_and_keeps_their_order() -> None:
+    from gateway.edge.auth import Tenant
+    from gateway.text.prefix_tokens import Prompt
+    from loadtest.scale_dispatcher import chain_job
+
+    index = BlockIndex()
+    mirror = IndexMirror("redis://unused", RedisLayout("t"), index)
+    d = standalone_dispatcher(mirror, index)
+    other = HashSpec(32, "m").describe()
+    fleet = {
+        "a": {},
+        "b": {"max_model_len": 64},  # too small for the job below
+        "c": {"hash_spec": other, "block_size": 32},
+        "d": {},
+        "e": {"hash_spec": other, "block_size": 32, "max_model_len": 100_000},
+    }
+    for wid, fields in fleet.items():
+        mirror._discover(wid, _record(wid, **fields).to_mapping())
+    job = replace(chain_job([]), prompt=Prompt(list(range(100))))  # a 100-token prompt
+    for tenant in (Tenant(), Tenant(name="t", cache_salt="s")):
+        job = replace(job, tenant=tenant)
+        cands = d.hash(job, d.candidates())
+        assert [e.record.worker_id for e in cands.entries] == ["a", "c", "d", "e"]
+        for e in cands.entries:
+            spec = e.spec
+            assert spec is not None
+            assert cands.chains[e.record.worker_id] == job.prompt.block_hashes(
+                spec.with_salt(tenant.cache_salt)
+            )
+        assert cands.chains["a"] is cands.chains["d"] and cands.chains["c"] is cands.chains["e"]
+        assert len(cands.chains["a"]) == 6 and len(cands.chains["c"]) == 3
+        # Per worker, the same rows as one at a time.
+        ids, rows = d._rows(cands.entries, {"a": 3})
+        assert ids == ["a", "c", "d", "e"]
+        assert rows == [d._row(e, 3 if e.record.worker_id == "a" else 0) for e in cands.entries]
