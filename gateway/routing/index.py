@@ -47,6 +47,7 @@ from gateway.routing.hash_table import (
 from gateway.routing.index_upkeep import IndexUpkeep
 from gateway.routing.speculation import (
     BITS,
+    COMPUTED,
     EXPIRIES,
     GENERATION,
     INF,
@@ -366,6 +367,7 @@ class BlockIndex(IndexUpkeep):
                 bits |= 1 << o
                 soonest = min(soonest, exp)
         entry[BITS], entry[SOONEST], entry[GENERATION] = bits, soonest, self._generation
+        entry[COMPUTED] = now
         return bits
 
     def block_count(self, worker_id: str) -> int:

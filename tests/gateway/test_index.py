@@ -150,6 +150,17 @@ def test_index_equals_a_plain_model_after_any_sequence_of_events() -> None:
         assert index.longest_prefix(chain) == _reference_prefix(model, chain)
 
 
+def test_a_hold_renewed_with_an_earlier_clock_read_still_counts() -> None:
+    # A lookup at 1.5 finds a's hold (until 1.0) expired; a renewal whose clock was
+    # read at 0.8 (before that lookup) must count again, though 1.0 > 0.8.
+    index = BlockIndex()
+    index.speculate("a", [1], now=0.0, ttl=1.0)
+    assert index.longest_prefix([1], now=1.5) == {}
+    index.speculate("a", [1], now=0.8, ttl=5.0)
+    assert index.longest_prefix([1], now=2.0) == {"a": 1}
+    assert index.longest_prefix([1], now=6.0) == {}
+
+
 def test_speculative_lookups_equal_a_plain_model_while_ordinals_change() -> None:
     # A lookup ORs each hash's cached bitset of speculating workers while the index's
     # ordinals and the entries' expiries allow: clears, replaces, staged reloads and
@@ -171,8 +182,9 @@ def test_speculative_lookups_equal_a_plain_model_while_ordinals_change() -> None
             hashes = rnd.sample(pool, rnd.randint(0, 10))
             if op < 0.25:
                 ttl = rnd.choice([0.5, 2.0, 8.0])
-                index.speculate(w, chain, now, ttl)
-                spec.update({(w, h): now + ttl for h in chain})
+                at = now - rnd.choice([0.0, 0.0, 0.6])  # a clock read before a lookup since
+                index.speculate(w, chain, at, ttl)
+                spec.update({(w, h): at + ttl for h in chain})
             elif op < 0.32:
                 index.withdraw(w, hashes)
                 for h in hashes:
