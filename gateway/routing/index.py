@@ -48,7 +48,6 @@ from gateway.routing.index_upkeep import IndexUpkeep
 from gateway.routing.speculation import (
     BITS,
     COMPUTED,
-    EXPIRIES,
     GENERATION,
     INF,
     SOONEST,
@@ -356,11 +355,11 @@ class BlockIndex(IndexUpkeep):
             alive ^= low
         return result
 
-    def _speculative_bits(self, entry: list[Any], now: float) -> int:
+    def _speculative_bits(self, entry: dict[Any, Any], now: float) -> int:
         """Recomputes a speculative entry's bitset and soonest expiry from its workers."""
         bits, soonest = 0, INF
-        for w, exp in entry[EXPIRIES].items():
-            if exp > now:
+        for w, exp in entry.items():
+            if type(w) is str and exp > now:
                 o = self._ord.get(w)
                 if o is None:
                     o = self._ordinal(w)
