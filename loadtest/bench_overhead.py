@@ -15,7 +15,11 @@ worker's one gRPC ``GenerateMany`` stream) and ``kvroute_generate`` with
 ``kvroute_cpu_vs_grpc`` and ``kvroute_cpu_vs_generate`` are the ratios of
 their CPU per request. ``kvroute_2proc`` is ``kvroute`` with ``--processes 2``
 (two processes on one port, one block index; CPU counts both);
-``kvroute_2proc_rps_vs_1`` is its ``chat_small`` throughput over ``kvroute``'s. Rounds interleave the routers (A/B/A/B), and every figure is
+``kvroute_2proc_rps_vs_1`` is its ``chat_small`` throughput over ``kvroute``'s.
+``kvroute_baseline`` is ``kvroute`` run from another checkout
+(``--baseline-tree``: a ``git worktree`` of an earlier commit), so a change is
+measured against the build before it in the same run, round by round;
+``kvroute_cpu_vs_baseline`` is the ratio. Rounds interleave the routers (A/B/A/B), and every figure is
 the median over rounds. The peers do not tokenize; kvroute does. The fakes
 are ``loadtest.instant_workers``: one message (gRPC) or SSE event (HTTP) per
 token, as a worker sends them when it keeps up; ``--stream-interval N`` makes
@@ -31,6 +35,8 @@ no prefix of it was seen by any cache).
     python -m loadtest.bench_overhead                         # ~10 min
     python -m loadtest.bench_overhead --routers kvroute --seconds 3 --rounds 1
     python -m loadtest.bench_overhead --routers kvroute --stream-interval 4
+    git worktree add /tmp/kvroute-base HEAD~3 && python -m loadtest.bench_overhead \
+        --routers kvroute,kvroute_baseline --baseline-tree /tmp/kvroute-base --rounds 4
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ ROUTERS = (
     "kvroute_2proc",
     "kvroute_grpc",
     "kvroute_generate",
+    "kvroute_baseline",
     "sglang_rr",
     "sglang_cache_aware",
     "vllm_rr",
@@ -178,11 +185,15 @@ def _ready(router: Router) -> bool:
 class Router:
     """One router process: kvroute's gateway or a peer binary."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log: Path) -> None:
+    def __init__(self, name: str, cmd: list[str], port: int, log: Path, tree: Path = ROOT) -> None:
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self._log = log.open("wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
+        # Another checkout's gateway: its own packages first (``-m`` puts the cwd first).
+        env = None if tree == ROOT else {**os.environ, "PYTHONPATH": str(tree)}
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=tree, env=env
+        )
         self.ps = psutil.Process(self.proc.pid)
 
     def cpu_s(self) -> float:
@@ -225,6 +236,8 @@ class Router:
 
 
 def _router_cmd(name: str, port: int, redis_url: str, ns: str, urls: list[str]) -> list[str]:
+    if name == "kvroute_baseline":  # the same gateway, from --baseline-tree
+        name = "kvroute"
     if name.startswith("kvroute"):
         return [
             *(sys.executable, "-m", "kvroute_cli", "gateway", "--model", "smollm2"),
@@ -312,7 +325,10 @@ def run(
     seconds: float,
     workers: int,
     stream_interval: int = 1,
+    baseline_tree: Path | None = None,
 ) -> Any:
+    if "kvroute_baseline" in routers and baseline_tree is None:
+        raise ValueError("kvroute_baseline needs --baseline-tree")
     redis = PrivateRedis()
     tmp = Path(tempfile.mkdtemp(prefix="kvroute-overhead-"))
     ns = "overhead"
@@ -327,7 +343,8 @@ def run(
             try:
                 port = free_port()
                 cmd = _router_cmd(name, port, redis.url, ns, urls)
-                router = Router(name, cmd, port, tmp / f"{name}.log")
+                tree = baseline_tree if name == "kvroute_baseline" and baseline_tree else ROOT
+                router = Router(name, cmd, port, tmp / f"{name}.log", tree)
                 router.wait_ready(bodies[workloads[0]][0])
                 started[name] = router
             except Exception as exc:  # a peer that cannot run is reported, the rest go on
@@ -430,6 +447,8 @@ def summarize(
         # stream, and over one Generate call per request.
         "kvroute_cpu_vs_grpc": cpu_ratio(out.get("kvroute_grpc", {})),
         "kvroute_cpu_vs_generate": cpu_ratio(out.get("kvroute_generate", {})),
+        # This checkout against --baseline-tree's, same run.
+        "kvroute_cpu_vs_baseline": cpu_ratio(out.get("kvroute_baseline", {})),
         # Two processes on one port against one, same run: what a second core buys.
         "kvroute_2proc_rps_vs_1": _ratio(
             out.get("kvroute_2proc", {}).get("chat_small", {}).get("max_rps"),
@@ -451,7 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.bench_overhead", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--routers", default=",".join(ROUTERS))
+    parser.add_argument(
+        "--routers", default=",".join(r for r in ROUTERS if r != "kvroute_baseline")
+    )
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=5.0, help="per workload and round")
@@ -462,6 +483,13 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="tokens per worker message after the first (a worker's --stream-interval)",
     )
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        default=None,
+        help="another kvroute checkout (e.g. a git worktree of an earlier commit) that "
+        "router kvroute_baseline runs from",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.stream_interval < 1:
@@ -471,7 +499,19 @@ def main(argv: list[str] | None = None) -> int:
         if r not in ROUTERS:
             raise SystemExit(f"--routers: {r!r} is not one of {', '.join(ROUTERS)}")
     workloads = [w for w in args.workloads.split(",") if w]
-    result = run(routers, workloads, args.rounds, args.seconds, args.workers, args.stream_interval)
+    if ("kvroute_baseline" in routers) != (args.baseline_tree is not None):
+        raise SystemExit("--baseline-tree and router kvroute_baseline go together")
+    if args.baseline_tree is not None and not (args.baseline_tree / "kvroute_cli.py").is_file():
+        raise SystemExit(f"--baseline-tree {args.baseline_tree}: not a kvroute checkout")
+    result = run(
+        routers,
+        workloads,
+        args.rounds,
+        args.seconds,
+        args.workers,
+        args.stream_interval,
+        args.baseline_tree.resolve() if args.baseline_tree else None,
+    )
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:

@@ -1,10 +1,14 @@
-"""bench_overhead's cold workload is cold: no two requests share a prefix past the template's."""
+"""bench_overhead: the cold workload is cold (no two requests share a prefix past the
+template's), and its baseline router comes with a checkout to run it from."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from loadtest.bench_overhead import _sendable, make_bodies
+import pytest
+
+from loadtest.bench_overhead import ROOT, ROUTERS, _router_cmd, _sendable, main, make_bodies
 
 
 def _system(body: bytes) -> str:
@@ -24,3 +28,16 @@ def test_cold_bodies_never_repeat_even_when_the_list_cycles() -> None:
 def test_repeated_bodies_are_sent_unchanged() -> None:
     (body,) = make_bodies("chat_6k_repeat", 3, seed=1)
     assert _sendable(body) == body
+
+
+def test_the_baseline_router_needs_a_kvroute_checkout(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="go together"):
+        main(["--routers", "kvroute,kvroute_baseline"])
+    with pytest.raises(SystemExit, match="go together"):
+        main(["--routers", "kvroute", "--baseline-tree", str(ROOT)])
+    with pytest.raises(SystemExit, match="not a kvroute checkout"):
+        main(["--routers", "kvroute_baseline", "--baseline-tree", str(tmp_path)])
+    # The default routers leave the baseline out, so a plain run needs no tree.
+    assert "kvroute_baseline" in ROUTERS
+    cmd = _router_cmd("kvroute_baseline", 1, "redis://x", "ns", [])
+    assert cmd == _router_cmd("kvroute", 1, "redis://x", "ns", [])
