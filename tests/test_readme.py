@@ -113,6 +113,21 @@ def check(cmd: Command) -> None:
             inner.group(1), shell=True, cwd=ROOT, capture_output=True, text=True, check=False
         )
         assert proc.returncode == 0 and Path(proc.stdout.strip()).is_dir(), f"{where}: {name}"
+    elif head == "git":
+        # ``git worktree add DIR REV``: a baseline checkout of a commit this clone has.
+        assert words[1:3] == ["worktree", "add"] and len(words) == 5, where
+        shallow = subprocess.run(
+            ["git", "rev-parse", "--is-shallow-repository"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if shallow.stdout.strip() == "false":  # a shallow clone lacks the history
+            proc = subprocess.run(
+                ["git", "cat-file", "-e", words[4] + "^{commit}"], cwd=ROOT, check=False
+            )
+            assert proc.returncode == 0, f"{where}: no commit {words[4]}"
     elif head == "docker":
         assert words[1:3] == ["compose", "up"] and (ROOT / "compose.yaml").is_file(), where
     else:
