@@ -355,11 +355,11 @@ class BlockIndex(IndexUpkeep):
             alive ^= low
         return result
 
-    def _speculative_bits(self, entry: dict[Any, Any], now: float) -> int:
+    def _speculative_bits(self, entry: dict[str, Any], now: float) -> int:
         """Recomputes a speculative entry's bitset and soonest expiry from its workers."""
         bits, soonest = 0, INF
         for w, exp in entry.items():
-            if type(w) is str and exp > now:
+            if w[0] != " " and exp > now:  # not one of the entry's own keys
                 o = self._ord.get(w)
                 if o is None:
                     o = self._ordinal(w)

@@ -27,13 +27,15 @@ from collections.abc import Sequence
 from typing import Any
 
 INF = float("inf")
-# An entry is one dict: worker id -> expiry, plus under these int keys the holders'
-# bitset (index ordinals), the soonest expiry among them, the ordinal generation the
-# two were computed in (STALE: recompute) and when a lookup last recomputed them
-# (-inf: never; every worker added since has its bit). Only ints, floats and strings:
-# the garbage collector does not track such a dict, and a busy gateway holds
-# hundreds of thousands (as lists they made its collections cost 10 % more CPU).
-BITS, SOONEST, GENERATION, COMPUTED = 0, 1, 2, 3
+# An entry is one dict: worker id -> expiry, plus under these keys (a space is never
+# in a worker id: ``contract.redis_layout.valid_worker_id``) the holders' bitset
+# (index ordinals), the soonest expiry among them, the ordinal generation the two
+# were computed in (STALE: recompute) and when a lookup last recomputed them (-inf:
+# never; every worker added since has its bit). Only strings as keys (CPython's
+# faster lookup) and ints, floats and strings as values: the garbage collector does
+# not track such a dict, and a busy gateway holds hundreds of thousands (as lists
+# they made its collections cost 10 % more CPU).
+BITS, SOONEST, GENERATION, COMPUTED = " bits", " soonest", " generation", " computed"
 META = 4  # keys of an entry that are not workers
 STALE = -1
 
@@ -42,7 +44,7 @@ class Speculation:
     """hash -> entry (see above), plus a heap of (expiry, n, worker, hashes) to expire them."""
 
     def __init__(self) -> None:
-        self.by_hash: dict[int, dict[Any, Any]] = {}
+        self.by_hash: dict[int, dict[str, Any]] = {}
         self._heap: list[tuple[float, int, str, tuple[int, ...]]] = []
         self.added = 0  # speculate() calls so far
         self.pairs = 0  # (hash, worker) entries, expired ones included until pruned
@@ -122,11 +124,11 @@ class Speculation:
                     continue
                 exp = e.get(w)
                 if exp is not None and exp <= now:
+                    # The bitset may keep w's bit: SOONEST is at most w's expiry, so no
+                    # lookup from now on takes the cached bitset without recomputing.
                     del e[w]
                     gone += 1
-                    if len(e) > META:
-                        e[GENERATION] = STALE
-                    else:
+                    if len(e) == META:
                         del by_hash[h]
         self.pairs -= gone
         return gone
