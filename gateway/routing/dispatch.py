@@ -203,9 +203,9 @@ class Dispatcher:
             chain: list[int] = []
             if spec is not None:
                 salted = spec.with_salt(salt)
-                chain = by_spec.get(salted)  # type: ignore[assignment]
-                if chain is None:
-                    chain = by_spec[salted] = job.prompt.block_hashes(salted)
+                if salted not in by_spec:
+                    by_spec[salted] = job.prompt.block_hashes(salted)
+                chain = by_spec[salted]
             chains.update(dict.fromkeys(wids, chain))
         return Candidates(entries, chains)
 

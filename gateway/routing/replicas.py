@@ -318,12 +318,9 @@ class ReplicaSync:
 
     # -- the other replicas' side -----------------------------------------------------
 
-    def peer_load(self, worker_id: str) -> PeerLoad | None:
-        """The other replicas' live in-flight counts on ``worker_id`` (None: none)."""
-        return self._totals.get(worker_id)
-
     def peer_loads(self) -> Mapping[str, PeerLoad]:
-        """``peer_load`` of every worker any other replica has work on (read-only)."""
+        """The other replicas' live in-flight counts, per worker any of them has work on
+        (read-only)."""
         return self._totals
 
     def rank(self) -> tuple[int, int]:

@@ -275,7 +275,7 @@ async def test_a_dead_redis_only_loses_the_sharing(caplog: pytest.LogCaptureFixt
         assert not any(t.done() for t in tasks)  # still trying, nothing raised
         warnings = [r for r in caplog.records if "replica sync: cannot" in r.getMessage()]
         assert len(warnings) == 2, warnings  # once per loop, not once per retry
-        assert sync.peer_load("w0") is None
+        assert sync.peer_loads().get("w0") is None
     finally:
         for t in tasks:
             t.cancel()
@@ -425,7 +425,7 @@ def test_peer_totals_follow_whole_views_changes_and_expiry() -> None:
             for g, v in truth.items():
                 if _heard(heard, g, now):
                     expected = [a + b for a, b in zip(expected, v.get(wid, [0, 0, 0]), strict=True)]
-            got = sync.peer_load(wid)
+            got = sync.peer_loads().get(wid)
             as_list = (
                 [0, 0, 0]
                 if got is None
@@ -445,6 +445,6 @@ def test_a_malformed_loads_entry_changes_nothing() -> None:
     for bad in (b'{"w0": [1, 0, 0], "w1": ["x"]}', b'{"w0": [1]}', b"[1, 2]", b"{"):
         with pytest.raises((ValueError, IndexError, AttributeError)):
             sync.apply({b"g": b"p1", b"d": bad}, 10.5)
-    p = sync.peer_load("w0")
+    p = sync.peer_loads().get("w0")
     assert p is not None and (p.inflight, p.pending, p.pending_prefill_tokens) == (2, 1, 50)
-    assert sync.peer_load("w1") is None
+    assert sync.peer_loads().get("w1") is None
