@@ -210,7 +210,8 @@ async def open_choices(
 
 
 async def read_json(request: web.Request) -> Any:
-    """The decoded JSON body; 413 past the size limit, 408 when too slow, 400 when not JSON.
+    """The decoded JSON body; 413 past the size limit, 408 when too slow, 400 when not JSON
+    (``openai_api.json_body``, the workers' parser too).
 
     A large body is decoded in the executor, so the loop never stalls on it.
     """
@@ -223,12 +224,7 @@ async def read_json(request: web.Request) -> Any:
     except TimeoutError:
         raise APIError(408, "the request body did not arrive in time", code="timeout") from None
     if len(raw) >= _OFF_LOOP_BYTES:
-        return await asyncio.get_running_loop().run_in_executor(None, decode_json, raw)
-    return decode_json(raw)
-
-
-def decode_json(raw: bytes) -> Any:
-    """``raw`` as JSON, or a 400 (``openai_api.json_body``: the workers' parser too)."""
+        return await asyncio.get_running_loop().run_in_executor(None, parse_body, raw)
     return parse_body(raw)
 
 
