@@ -360,10 +360,7 @@ class BlockIndex(IndexUpkeep):
         bits, soonest = 0, INF
         for w, exp in entry.items():
             if w[0] != " " and exp > now:  # not one of the entry's own keys
-                o = self._ord.get(w)
-                if o is None:
-                    o = self._ordinal(w)
-                bits |= 1 << o
+                bits |= 1 << self._ordinal(w)
                 soonest = min(soonest, exp)
         entry[BITS], entry[SOONEST], entry[GENERATION] = bits, soonest, self._generation
         entry[COMPUTED] = now
