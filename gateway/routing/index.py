@@ -30,9 +30,12 @@ Not thread-safe: it lives on the gateway's event loop.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
+
+import numpy as np
 
 from gateway.routing.hash_table import (
     EMPTY,
@@ -100,6 +103,8 @@ class BlockIndex(IndexUpkeep):
         self.max_entries = max_entries
         self._shards = [Shard(ticks=max_entries > 0) for _ in range(SHARDS)]
         self._ord: dict[str, int] = {}  # worker -> its current ordinal
+        self._ord_changes = 0  # bumped whenever _ord changes (block_counts' cache)
+        self._counts_of: tuple[list[str], int, Callable[[list[int]], Any]] | None = None
         self._names: list[str | None] = []  # ordinal -> worker (None: dead or free)
         self._counts: list[int] = []  # ordinal -> live real entries
         self._free: list[int] = []
@@ -132,6 +137,7 @@ class BlockIndex(IndexUpkeep):
                 self._names.append(worker_id)
                 self._counts.append(0)
             self._ord[worker_id] = o
+            self._ord_changes += 1
             self._live_bits |= 1 << o
         return o
 
@@ -141,6 +147,7 @@ class BlockIndex(IndexUpkeep):
         if o is None:
             return
         self._generation += 1
+        self._ord_changes += 1
         self._entries -= self._counts[o]
         self._counts[o] = 0
         self._names[o] = None
@@ -266,6 +273,7 @@ class BlockIndex(IndexUpkeep):
         self._retire(staged.worker_id)
         self._names[o] = staged.worker_id
         self._ord[staged.worker_id] = o
+        self._ord_changes += 1
         self._live_bits |= 1 << o
         self._known.add(staged.worker_id)
 
@@ -342,17 +350,16 @@ class BlockIndex(IndexUpkeep):
             else:
                 ended = 0
                 alive = bits & self._live_bits  # dead generations drop out here
-            while ended:
-                low = ended & -ended
-                result[names[low.bit_length() - 1]] = n  # type: ignore[index]
-                ended ^= low
+            if ended.bit_count() > _FEW_BITS:
+                _name_many(result, names, ended, n)
+            else:
+                while ended:
+                    low = ended & -ended
+                    result[names[low.bit_length() - 1]] = n  # type: ignore[index]
+                    ended ^= low
             if not alive:
                 return result
-        length = len(hashes)
-        while alive:
-            low = alive & -alive
-            result[names[low.bit_length() - 1]] = length  # type: ignore[index]
-            alive ^= low
+        _name_many(result, names, alive, len(hashes))
         return result
 
     def _speculative_bits(self, entry: dict[str, Any], now: float) -> int:
@@ -370,6 +377,23 @@ class BlockIndex(IndexUpkeep):
         """Real blocks the index believes ``worker_id`` holds."""
         o = self._ord.get(worker_id)
         return 0 if o is None else self._counts[o]
+
+    def block_counts(self, worker_ids: list[str]) -> list[int]:
+        """``block_count`` of each of ``worker_ids``, in order (one call for a fleet).
+
+        The ids' ordinals are kept while the list and the ordinals stay the same
+        (the dispatcher asks for the same healthy list per request): 13 vs 54 us
+        at 1,000 workers.
+        """
+        cache = self._counts_of
+        if cache is None or cache[0] is not worker_ids or cache[1] != self._ord_changes:
+            if len(worker_ids) < 2:  # itemgetter of one index answers a bare value
+                ordinal, counts = self._ord.get, self._counts
+                return [0 if (o := ordinal(w)) is None else counts[o] for w in worker_ids]
+            missing = -1  # the 0 appended to the counts below
+            ords = [self._ord.get(w, missing) for w in worker_ids]
+            cache = self._counts_of = (worker_ids, self._ord_changes, itemgetter(*ords))
+        return list(cache[2]([*self._counts, 0]))
 
     def holds(self, worker_id: str, block_hash: int) -> bool:
         o = self._ord.get(worker_id)
@@ -403,3 +427,21 @@ class BlockIndex(IndexUpkeep):
             evictions=self._evictions,
             dead_ordinals=len(self._dead),
         )
+
+
+# Past this many workers in one bitset, ``_name_many`` finds them with numpy (a
+# 1,000-worker bitset: 84 vs 232 us); below it a loop over the set bits is faster.
+_FEW_BITS = 32
+
+
+def _name_many(result: dict[str, int], names: list[str | None], bits: int, n: int) -> None:
+    """``result[name] = n`` for the worker of every ordinal set in ``bits``."""
+    if bits.bit_count() <= _FEW_BITS:
+        while bits:
+            low = bits & -bits
+            result[names[low.bit_length() - 1]] = n  # type: ignore[index]
+            bits ^= low
+        return
+    raw = np.frombuffer(bits.to_bytes((bits.bit_length() + 7) // 8, "little"), np.uint8)
+    ordinals = np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+    result.update(dict.fromkeys(map(names.__getitem__, ordinals), n))  # type: ignore[arg-type]

@@ -303,6 +303,11 @@ class RemoteIndex:
     def block_count(self, worker_id: str) -> int:
         return self.counts.get(worker_id, 0)
 
+    def block_counts(self, worker_ids: list[str]) -> list[int]:
+        """``block_count`` of each of ``worker_ids``, in order."""
+        get = self.counts.get
+        return [get(w, 0) for w in worker_ids]
+
     def listening(self) -> None:
         """Tells the owner this front accepts connections on the port."""
         if self.link is not None:

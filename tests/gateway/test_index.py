@@ -235,3 +235,26 @@ def test_prune_with_a_limit_goes_in_slices() -> None:
     assert index.speculative_count() == 700
     assert index.longest_prefix([0, 1], now=5.0) == {}  # expired entries never count
     assert index.prune(now=5.0) == 700
+
+
+def test_a_lookup_names_every_holder_of_a_widely_held_chain() -> None:
+    # Past a few dozen workers in one bitset the holders are found with numpy
+    # (``_name_many``); the same answer as the plain model, at every depth, with
+    # speculating workers among them.
+    import random
+
+    rnd = random.Random(5)
+    index, model = BlockIndex(), {}  # type: BlockIndex, dict[str, set[int]]
+    chain = [rnd.getrandbits(64) for _ in range(12)]
+    for i in range(300):
+        w = f"w{i}"
+        depth = rnd.choice([0, 3, 3, 7, 12, 12, 12])
+        if rnd.random() < 0.2:
+            index.speculate(w, chain[:depth], 0.0, 5.0)
+        else:
+            index.add(w, chain[:depth])
+        model[w] = set(chain[:depth])
+    found = index.longest_prefix(chain, 1.0)
+    assert found == _reference_prefix(model, chain)
+    assert sum(1 for n in found.values() if n == 12) > 64  # the wide case, really
+    assert list(found) == sorted(found, key=lambda w: (found[w], int(w[1:])))  # the loop's order
