@@ -21,20 +21,31 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from contract.hashing import HashSpec
 from contract.redis_layout import WorkerRecord
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RequestRecord, RollingStats
+from gateway.routing.columns import FleetColumns
 from gateway.routing.index import BlockIndex
 from gateway.routing.index_share import RemoteIndex
 from gateway.routing.jobs import Candidates, Job, Stream, stream_interval
-from gateway.routing.load import GatewayLoad, router_rows
+from gateway.routing.load import LoadBook, router_rows
 from gateway.routing.mirror import IndexMirror
 from gateway.routing.mirror_state import WorkerEntry
 from gateway.routing.prefix_demand import PrefixDemand
 from gateway.routing.record_check import RecordCheck
 from gateway.routing.replicas import ReplicaSync
-from gateway.routing.router import ROW_FIELDS, Decision, Router, RouteRequest, Row, WorkerState
+from gateway.routing.router import (
+    ROW_FIELDS,
+    SMALL_FLEET,
+    Decision,
+    Router,
+    RouteRequest,
+    Row,
+    WorkerState,
+)
 from gateway.routing.sessions import SessionMap
 from gateway.upstream.base import Chunk, Upstream, UpstreamCall, UpstreamError
 from openai_api.errors import APIError
@@ -46,6 +57,7 @@ _WATCH_S = 0.25  # how often a request waiting for its first token checks on its
 DEFAULT_TRANSPORT = "grpc"
 _NEVER = float("inf")
 _WAITING = ROW_FIELDS.index("waiting")
+_PENDING = ROW_FIELDS.index("pending")
 
 
 class Dispatcher:
@@ -86,7 +98,9 @@ class Dispatcher:
         self.first_token_timeout_s = first_token_timeout_s
         self.inter_token_timeout_s = inter_token_timeout_s
         self.record_check = record_check or RecordCheck(metrics.registry, stall_s=5.0)
-        self.loads: dict[str, GatewayLoad] = {}
+        self.loads = LoadBook()
+        self._columns = FleetColumns(self.loads)
+        self._no_peers_touched: set[str] = set()
         self.prefix_demand = PrefixDemand()
         self._down_until: dict[str, float] = {}
         self._cooldowns = 0  # changes to _down_until, for healthy()'s reuse
@@ -207,7 +221,7 @@ class Dispatcher:
                     by_spec[salted] = job.prompt.block_hashes(salted)
                 chain = by_spec[salted]
             chains.update(dict.fromkeys(wids, chain))
-        return Candidates(entries, chains)
+        return Candidates(entries, chains, [c for c in by_spec.values() if c])
 
     def _groups(self, entries: list[WorkerEntry]) -> list[tuple[HashSpec | None, int, list[str]]]:
         """``entries`` grouped by (hash spec, context limit): what ``hash`` does per worker
@@ -234,23 +248,24 @@ class Dispatcher:
         index = self.index
         assert isinstance(index, BlockIndex), "a front process looks up with alook_up"
         now = time.monotonic()
-        return _held(cands, [(c, index.longest_prefix(c, now)) for c in _distinct(cands)])
+        return _held(cands, [(c, index.longest_prefix(c, now)) for c in cands.distinct])
 
     async def alook_up(self, cands: Candidates) -> dict[str, int]:
         """``look_up``, asking the gateway's index owner when this process is a front."""
         index = self.index
         if isinstance(index, BlockIndex):
             return self.look_up(cands)
-        return _held(cands, [(c, await index.longest_prefix(c)) for c in _distinct(cands)])
+        return _held(cands, [(c, await index.longest_prefix(c)) for c in cands.distinct])
 
     def choose(self, job: Job, cands: Candidates, cached: dict[str, int]) -> Decision:
         """The router's pick (and ranked fallbacks); 429 when every queue is full."""
-        ids, rows = self._rows(cands.entries, cached)
+        ids, rows, matrix = self._router_view(cands, cached)
         limit = self.max_queue_per_worker
-        if limit > 0 and all(
-            max(row[_WAITING], self.loads[wid].pending) >= limit
-            for wid, row in zip(ids, rows, strict=True)
-        ):
+        if matrix is not None:
+            queues = matrix[:, [_WAITING, _PENDING]].max(axis=1).tolist()
+        else:
+            queues = [max(row[_WAITING], row[_PENDING]) for row in rows]
+        if limit > 0 and min(queues) >= limit:
             raise APIError(
                 429,
                 "every worker's queue is full; retry shortly",
@@ -267,7 +282,28 @@ class Dispatcher:
         )
         if self.replicas is not None:
             self.router.replica_rank, self.router.replica_count = self.replicas.rank()
+        if matrix is not None:
+            return self.router.choose_columns(request, ids, matrix)
         return self.router.choose_rows(request, ids, rows)
+
+    def _router_view(
+        self, cands: Candidates, cached: dict[str, int]
+    ) -> tuple[list[str], list[Row], np.ndarray | None]:
+        """The candidates' ids and rows: a large fleet's as one matrix kept between
+        requests (``gateway.routing.columns``), a small one's built per request."""
+        if len(cands.entries) > SMALL_FLEET and self.router.config.policy == "kvroute":
+            sync = self.replicas
+            found = self._columns.rows(
+                self.healthy(),
+                cands.entries,
+                cached,
+                self.index.block_counts,
+                sync.peer_loads() if sync is not None else {},
+                sync.touched if sync is not None else self._no_peers_touched,
+            )
+            if found is not None:
+                return found[0], [], found[1]
+        return *self._rows(cands.entries, cached), None
 
     def _demand(self, cands: Candidates, cached: dict[str, int], now: float) -> float:
         """How many requests lately wanted this one's longest cached prefix (it included)."""
@@ -309,7 +345,7 @@ class Dispatcher:
             # siblings of a request queued longer scatter on a saturated fleet).
             self.index.speculate(wid, chain, now, self._hold_s())
             self.sessions.put(job.session_key, wid, now)
-            load = self.loads.setdefault(wid, GatewayLoad())
+            load = self.loads.of(wid)
             uncached = len(job.prompt_ids) - predicted
             load.inflight += 1
             self.open_streams += 1
@@ -358,6 +394,7 @@ class Dispatcher:
                 self.open_streams -= 1
                 raise
             finally:
+                self.loads.touched.add(wid)
                 load.pending -= 1
                 load.pending_prefill_tokens -= uncached
                 self._settle(wid, chain, served=first is not None)
@@ -440,7 +477,7 @@ class Dispatcher:
     def finished(self, stream: Stream, cached_tokens: int | None) -> None:
         """Bookkeeping when a stream ends (called once, by ``Stream.close``)."""
         wid = stream.worker_id
-        load = self.loads.setdefault(wid, GatewayLoad())
+        load = self.loads.of(wid)
         load.inflight = max(0, load.inflight - 1)
         self.open_streams = max(0, self.open_streams - 1)
         load.finished += 1
@@ -526,17 +563,17 @@ def _context_needed(job: Job) -> int:
     return len(job.prompt_ids) + (job.generation.max_tokens if job.max_tokens_fixed else 1)
 
 
-def _distinct(cands: Candidates) -> list[list[int]]:
-    """The candidates' chains, each once (workers usually share one)."""
-    return list({id(c): c for c in cands.chains.values() if c}.values())
-
-
 def _held(cands: Candidates, found: list[tuple[list[int], dict[str, int]]]) -> dict[str, int]:
     """Per worker, its cached blocks from the look-up of its own chain."""
+    chains = cands.chains
+    if len(found) == 1 and found[0][1].keys() <= chains.keys():
+        # One chain (one spec; a worker without one holds no block) and every holder a
+        # candidate: the usual case, as it came from the index.
+        return found[0][1]
     cached: dict[str, int] = {}
     for chain, holders in found:
         for wid, n in holders.items():
-            if cands.chains.get(wid) is chain:
+            if chains.get(wid) is chain:
                 cached[wid] = n
     return cached
 

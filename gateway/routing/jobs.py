@@ -68,6 +68,7 @@ class Candidates:
 
     entries: list[WorkerEntry]
     chains: dict[str, list[int]]  # worker id -> block hashes under its spec and salt
+    distinct: list[list[int]]  # the non-empty chains of ``chains``, each once (usually one)
 
 
 class Stream:

@@ -43,6 +43,31 @@ class GatewayLoad:
         return self.finished - self.finished_at_heartbeat
 
 
+class LoadBook(dict[str, GatewayLoad]):
+    """This gateway's ``GatewayLoad`` per worker, and which of them changed.
+
+    ``touched`` holds the workers whose load changed since ``FleetColumns`` last
+    read it: whoever changes a load adds its worker (the dispatcher when it sends
+    and when a stream ends), so the router's columns redo those rows only.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.touched: set[str] = set()
+
+    def __setitem__(self, worker_id: str, load: GatewayLoad) -> None:
+        super().__setitem__(worker_id, load)
+        self.touched.add(worker_id)
+
+    def of(self, worker_id: str) -> GatewayLoad:
+        """``worker_id``'s load (created if missing), noted as about to change."""
+        load = self.get(worker_id)
+        if load is None:
+            load = self[worker_id] = GatewayLoad()
+        self.touched.add(worker_id)
+        return load
+
+
 def corrected_load(
     running: int,
     waiting: int,

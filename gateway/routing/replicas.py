@@ -153,6 +153,9 @@ class ReplicaSync:
         self._dirty = False  # a loads entry is due
         self._full_due = True  # ... and it is the whole view (a new peer, a lost entry)
         self._changed: set[str] = set()  # workers whose counts changed since the last one
+        # Workers whose peer totals or peer-reported finishes changed since the
+        # dispatcher's columns last read them (``gateway.routing.columns``).
+        self.touched: set[str] = set()
         self._wake = asyncio.Event()
         # peer gateway id -> (monotonic time of its last loads entry, worker id -> load)
         self._peers: dict[str, tuple[float, dict[str, PeerLoad]]] = {}
@@ -346,6 +349,7 @@ class ReplicaSync:
 
     def _count(self, worker_id: str, p: PeerLoad, sign: int) -> None:
         """Adds (``sign`` 1) or takes off (-1) one peer's counts on a worker to the totals."""
+        self.touched.add(worker_id)
         t = self._totals.get(worker_id)
         if t is None:
             t = self._totals[worker_id] = PeerLoad()
@@ -394,6 +398,7 @@ class ReplicaSync:
                 for wid, n in json.loads(raw_finished).items():
                     if self.known_worker(wid):
                         self.loads.setdefault(wid, GatewayLoad()).finished += int(n)
+                        self.touched.add(wid)
             self._apply_loads(gid, changes, whole is not None, now)
             return
         wid = fields.get(b"w", b"").decode()

@@ -95,6 +95,7 @@ The ``kvroute`` policy, step by step:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import random
@@ -297,6 +298,16 @@ class Router:
         cols = np.fromiter(flat, dtype=np.float64, count=len(rows) * len(ROW_FIELDS))
         return self._kvroute_columns(request, ids, cols)
 
+    def choose_columns(self, request: RouteRequest, ids: list[str], cols: np.ndarray) -> Decision:
+        """``choose_rows`` over rows already in one float matrix, a row per worker
+        (``gateway.routing.columns``): the ``kvroute`` policy over more than
+        ``SMALL_FLEET`` workers, ``ids`` sorted."""
+        if self.config.policy != "kvroute" or len(ids) <= SMALL_FLEET:
+            raise ValueError("choose_columns takes a kvroute fleet larger than SMALL_FLEET")
+        if request.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        return self._kvroute_columns(request, ids, cols)
+
     def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:
         """The worker for ``request`` among ``workers``; ``ValueError`` if there are none."""
         if not workers:
@@ -436,7 +447,11 @@ class Router:
         cost = work / rate + np.maximum(running, inflight) * cfg.decode_weight_s
         best = cost[~over].min()
         tied = np.flatnonzero(~over & (cost <= best * (1 + TIE_RELATIVE) + TIE_ABSOLUTE_S))
-        session = next((int(i) for i in tied if ids[i] == request.session_worker), None)
+        session = None
+        if request.session_worker is not None:
+            with contextlib.suppress(ValueError):  # not a candidate
+                at = ids.index(request.session_worker)
+                session = at if bool((tied == at).any()) else None
         if session is not None and len(tied) > 1:
             chosen, reason = session, "session"
         else:
@@ -454,13 +469,13 @@ class Router:
         if (blocks > blocks[chosen]).any() and reason != "session":
             reason = "load"
         # Fallbacks: not overloaded first, then by cost, then by load, then by id.
-        order = np.lexsort((np.arange(n), load, cost, over))
-        ranked = [ids[chosen], *(ids[i] for i in order.tolist() if i != chosen)]
+        order = np.lexsort((np.arange(n), load, cost, over)).tolist()
+        order.remove(chosen)
         return Decision(
             worker_id=ids[chosen],
             reason=reason,
             predicted_cached_tokens=int(cached[chosen]),
-            ranked=tuple(ranked),
+            ranked=(ids[chosen], *map(ids.__getitem__, order)),
         )
 
     def _kvroute_small(self, request: RouteRequest, ws: list[WorkerState]) -> Decision:
