@@ -122,6 +122,13 @@ class BlockIndex(IndexUpkeep):
         self._tick = 1
         self._stagings = 0  # stage() calls so far (a unique name per staged ordinal)
         self._spec = Speculation()
+        # Real holders of recently looked-up hashes, so a walk over a chain seen before
+        # is a dict read per block instead of a table probe (a 380-block chain: ~4x
+        # faster). Whatever changes a hash's holders forgets it here; an ordinal's
+        # reuse forgets everything. A memory-bound index keeps no such memory: its
+        # lookups must stamp each slot's last use for eviction.
+        self._recent: dict[int, int] = {}
+        self._remember = max_entries == 0
 
     # -- ordinals ------------------------------------------------------------------
 
@@ -130,6 +137,7 @@ class BlockIndex(IndexUpkeep):
         if o is None:
             if self._free:
                 o = self._free.pop()
+                self._recent.clear()  # remembered holders may name the ordinal's old worker
                 self._names[o] = worker_id
                 self._counts[o] = 0
             else:
@@ -164,7 +172,7 @@ class BlockIndex(IndexUpkeep):
     def _add(self, o: int, hashes: Iterable[int]) -> None:
         bit = 1 << o
         self._tick = tick = (self._tick + 1) & 0xFFFFFFFF
-        names, shards = self._names, self._shards
+        names, shards, forget = self._names, self._shards, self._recent.pop
         added = 0
         for h in hashes:
             shard = shards[h & SHARD_MASK]
@@ -173,6 +181,7 @@ class BlockIndex(IndexUpkeep):
                 v = shard.vals[i]
                 if v == o:
                     continue
+                forget(h, None)
                 if v >= 0:
                     if names[v] is None:
                         shard.vals[i] = o  # the old holder is a dead generation
@@ -186,6 +195,7 @@ class BlockIndex(IndexUpkeep):
                     shard.shared[h] = bits | bit
                 added += 1
                 continue
+            forget(h, None)
             if shard.vals[i] == EMPTY:
                 shard.used += 1
             shard.keys[i] = h
@@ -221,6 +231,7 @@ class BlockIndex(IndexUpkeep):
                 shard.vals[i] = TOMB
                 shard.live -= 1
                 gone += 1
+                self._recent.pop(h, None)
             elif v == SHARED:
                 bits = shard.shared[h]
                 if not bits & bit:
@@ -232,6 +243,7 @@ class BlockIndex(IndexUpkeep):
 
     def _set_bits(self, shard: Shard, i: int, h: int, bits: int) -> None:
         """Stores a shared slot's new holders, demoting it to one ordinal or none."""
+        self._recent.pop(h, None)
         bits &= self._live_mask() | self._staging_bits
         if bits & (bits - 1):
             shard.shared[h] = bits
@@ -318,23 +330,30 @@ class BlockIndex(IndexUpkeep):
         names, shards, generation = self._names, self._shards, self._generation
         spec = self._spec.by_hash if now is not None else None
         self._tick = tick = (self._tick + 1) & 0xFFFFFFFF
+        recent = self._recent if self._remember else None
+        if recent is not None and len(recent) > _RECENT_MAX:
+            recent.clear()
         alive = -1
         for n, h in enumerate(hashes):
-            # 1. real holders of block n (a probe of one shard)
-            shard = shards[h & SHARD_MASK]
-            keys, vals, mask = shard.keys, shard.vals, shard.mask
-            i = (h >> SHARD_BITS) & mask
-            bits = 0
-            while True:
-                v = vals[i]
-                if v == EMPTY:
-                    break
-                if v != TOMB and keys[i] == h:
-                    bits = (1 << v) if v >= 0 else shard.shared[h]
-                    if shard.ticks is not None:
-                        shard.ticks[i] = tick
-                    break
-                i = (i + 1) & mask
+            # 1. real holders of block n (remembered, or a probe of one shard)
+            bits = recent.get(h) if recent is not None else None
+            if bits is None:
+                shard = shards[h & SHARD_MASK]
+                keys, vals, mask = shard.keys, shard.vals, shard.mask
+                i = (h >> SHARD_BITS) & mask
+                bits = 0
+                while True:
+                    v = vals[i]
+                    if v == EMPTY:
+                        break
+                    if v != TOMB and keys[i] == h:
+                        bits = (1 << v) if v >= 0 else shard.shared[h]
+                        if shard.ticks is not None:
+                            shard.ticks[i] = tick
+                        break
+                    i = (i + 1) & mask
+                if recent is not None:
+                    recent[h] = bits
             # 2. speculative holders that have not expired
             if spec:
                 e = spec.get(h)
@@ -428,6 +447,9 @@ class BlockIndex(IndexUpkeep):
             dead_ordinals=len(self._dead),
         )
 
+
+# Hashes whose holders a lookup remembers before it starts over (~10 MB at most).
+_RECENT_MAX = 65_536
 
 # Past this many workers in one bitset, ``_name_many`` finds them with numpy (a
 # 1,000-worker bitset: 84 vs 232 us); below it a loop over the set bits is faster.

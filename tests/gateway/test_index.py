@@ -164,6 +164,9 @@ def test_index_equals_a_plain_model_after_any_sequence_of_events() -> None:
                     staged.abort()
             else:
                 index.maintain(rnd.randint(1, 400))
+            if step % 3 == 0:  # a hot chain, walked again and again (remembered holders)
+                hot = pool[: rnd.randint(1, 20)]
+                assert index.longest_prefix(hot) == _reference_prefix(model, hot)
             if step % 25 == 0:
                 owner = rnd.choice(workers)
                 chain = sorted(model.get(owner, ()))[:8] + rnd.sample(pool, 3)
@@ -258,3 +261,25 @@ def test_a_lookup_names_every_holder_of_a_widely_held_chain() -> None:
     assert found == _reference_prefix(model, chain)
     assert sum(1 for n in found.values() if n == 12) > 64  # the wide case, really
     assert list(found) == sorted(found, key=lambda w: (found[w], int(w[1:])))  # the loop's order
+
+
+def test_a_walk_remembers_holders_only_until_they_change() -> None:
+    # Each way a hash's holders change, right after a walk remembered them: a
+    # single holder's removal, a shared hash losing one, and a dead worker's
+    # ordinal swept and given to a new worker (which holds nothing of it).
+    index = BlockIndex()
+    index.add("a", [1, 2, 3])
+    assert index.longest_prefix([1, 2, 3]) == {"a": 3}
+    index.remove("a", [2])
+    assert index.longest_prefix([1, 2, 3]) == {"a": 1}
+    index.add("b", [1, 2])
+    assert index.longest_prefix([1, 2, 3]) == {"a": 1, "b": 2}
+    index.remove("b", [1])
+    assert index.longest_prefix([1, 2, 3]) == {"a": 1}
+    index.drop("a")
+    while index.maintain(1024):
+        pass
+    index.add("c", [9])  # a's ordinal again
+    assert index.longest_prefix([1, 2, 3]) == {}
+    index.add("c", [1])
+    assert index.longest_prefix([1, 2, 3]) == {"c": 1}
