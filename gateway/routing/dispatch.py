@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, KeysView, Mapping
 
 import numpy as np
 
@@ -111,6 +111,7 @@ class Dispatcher:
         self._groups_of: list[WorkerEntry] | None = None  # the list _grouped is of
         self._grouped: list[tuple[HashSpec | None, int, list[str]]] = []
         self._group_of: list[int] = []  # per entry of that list, its group
+        self._group_keys: dict[str, None] = {}  # the one group's workers, when there is one
         self._max_len = 0
         # Set by the app when replicas share routing (``gateway.routing.replicas``).
         self.replicas: ReplicaSync | None = None
@@ -209,6 +210,11 @@ class Dispatcher:
         # Workers usually share one spec: the prompt is hashed once per distinct spec
         # (and salt), and the workers of a group get their chains in one C call.
         salt = job.tenant.cache_salt
+        one_spec = groups[0][0]
+        if len(groups) == 1 and one_spec is not None:  # one spec and one limit: the usual
+            hashes = job.prompt.block_hashes(one_spec.with_salt(salt))
+            same = SameChain(self._group_keys, hashes)
+            return Candidates(entries, same, [hashes] if hashes else [])
         by_spec: dict[HashSpec, list[int]] = {}
         chains: dict[str, list[int]] = {}
         for (spec, _, wids), ok in zip(groups, fit, strict=True):
@@ -241,6 +247,7 @@ class Dispatcher:
             grouped[g][2].append(e.record.worker_id)
             group_of.append(g)
         self._groups_of, self._grouped, self._group_of = entries, grouped, group_of
+        self._group_keys = dict.fromkeys(grouped[0][2]) if len(grouped) == 1 else {}
         return grouped
 
     def look_up(self, cands: Candidates) -> dict[str, int]:
@@ -556,6 +563,30 @@ class Dispatcher:
                 )
             if chunk.token_ids or chunk.finished:
                 return chunk
+
+
+class SameChain(Mapping[str, list[int]]):
+    """Every worker of ``workers`` -> one ``chain``: a fleet of one hash spec gets its
+    ``Candidates.chains`` without a dict built per request (37 us at 1,000 workers)."""
+
+    __slots__ = ("_chain", "_workers")
+
+    def __init__(self, workers: dict[str, None], chain: list[int]) -> None:
+        self._workers, self._chain = workers, chain
+
+    def __getitem__(self, worker_id: str) -> list[int]:
+        if worker_id in self._workers:
+            return self._chain
+        raise KeyError(worker_id)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._workers)
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def keys(self) -> KeysView[str]:
+        return self._workers.keys()
 
 
 def _context_needed(job: Job) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -67,7 +68,7 @@ class Candidates:
     """The workers a job may go to, and the chain each would look up."""
 
     entries: list[WorkerEntry]
-    chains: dict[str, list[int]]  # worker id -> block hashes under its spec and salt
+    chains: Mapping[str, list[int]]  # worker id -> block hashes under its spec and salt
     distinct: list[list[int]]  # the non-empty chains of ``chains``, each once (usually one)
 
 

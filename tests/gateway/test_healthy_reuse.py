@@ -100,3 +100,23 @@ def test_hash_groups_workers_by_spec_and_context_and_keeps_their_order() -> None
         ids, rows = d._rows(cands.entries, {"a": 3})
         assert ids == ["a", "c", "d", "e"]
         assert rows == [d._row(e, 3 if e.record.worker_id == "a" else 0) for e in cands.entries]
+
+
+def test_a_fleet_of_one_spec_shares_one_chain_without_a_dict_per_request() -> None:
+    from gateway.text.prefix_tokens import Prompt
+    from loadtest.scale_dispatcher import chain_job
+
+    index = BlockIndex()
+    mirror = IndexMirror("redis://unused", RedisLayout("t"), index)
+    d = standalone_dispatcher(mirror, index)
+    for wid in ("a", "b", "c"):
+        mirror._discover(wid, _record(wid).to_mapping())
+    job = replace(chain_job([]), prompt=Prompt(list(range(100))))
+    cands = d.hash(job, d.candidates())
+    want = job.prompt.block_hashes(HashSpec(16, "m"))
+    assert dict(cands.chains) == {"a": want, "b": want, "c": want}
+    assert cands.chains.keys() == {"a", "b", "c"} and cands.distinct == [want]
+    assert cands.chains.get("z") is None and "z" not in cands.chains
+    # A look-up's holders are all candidates: they are taken as they came.
+    index.add("b", want[:2])
+    assert d.look_up(cands) == {"b": 2}
