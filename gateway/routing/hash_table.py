@@ -24,7 +24,7 @@ MIN_CAP = 64  # 1024 shards x 64 slots x 16 B: 1 MB before the first entry
 class Shard:
     """One open-addressing table: key, holder and (with a memory bound) last-use tick per slot."""
 
-    __slots__ = ("cap", "keys", "live", "mask", "shared", "ticks", "used", "vals")
+    __slots__ = ("cap", "keys", "live", "mask", "recent", "shared", "ticks", "used", "vals")
 
     def __init__(self, ticks: bool, cap: int = MIN_CAP) -> None:
         self.cap = cap
@@ -36,6 +36,8 @@ class Shard:
         self.used = 0  # slots not EMPTY
         self.live = 0  # slots holding a key (not EMPTY, not TOMB)
         self.shared: dict[int, int] = {}
+        # Holders of this shard's recently looked-up hashes (``BlockIndex.longest_prefix``).
+        self.recent: dict[int, int] = {}
 
     def find(self, h: int) -> int:
         """Slot of ``h``, or -1."""

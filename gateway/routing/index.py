@@ -122,12 +122,12 @@ class BlockIndex(IndexUpkeep):
         self._tick = 1
         self._stagings = 0  # stage() calls so far (a unique name per staged ordinal)
         self._spec = Speculation()
-        # Real holders of recently looked-up hashes, so a walk over a chain seen before
-        # is a dict read per block instead of a table probe (a 380-block chain: ~4x
-        # faster). Whatever changes a hash's holders forgets it here; an ordinal's
-        # reuse forgets everything. A memory-bound index keeps no such memory: its
+        # Each shard remembers the real holders of its recently looked-up hashes
+        # (``Shard.recent``, at most _RECENT_PER_SHARD), so a walk over a chain seen
+        # before is a dict read per block instead of a table probe (a 380-block chain:
+        # ~3x faster). Whatever changes a hash's holders forgets it there; an ordinal's
+        # reuse forgets everything. A memory-bound index remembers nothing: its
         # lookups must stamp each slot's last use for eviction.
-        self._recent: dict[int, int] = {}
         self._remember = max_entries == 0
 
     # -- ordinals ------------------------------------------------------------------
@@ -137,7 +137,8 @@ class BlockIndex(IndexUpkeep):
         if o is None:
             if self._free:
                 o = self._free.pop()
-                self._recent.clear()  # remembered holders may name the ordinal's old worker
+                for shard in self._shards:  # remembered holders may name its old worker
+                    shard.recent.clear()
                 self._names[o] = worker_id
                 self._counts[o] = 0
             else:
@@ -172,7 +173,7 @@ class BlockIndex(IndexUpkeep):
     def _add(self, o: int, hashes: Iterable[int]) -> None:
         bit = 1 << o
         self._tick = tick = (self._tick + 1) & 0xFFFFFFFF
-        names, shards, forget = self._names, self._shards, self._recent.pop
+        names, shards = self._names, self._shards
         added = 0
         for h in hashes:
             shard = shards[h & SHARD_MASK]
@@ -181,7 +182,7 @@ class BlockIndex(IndexUpkeep):
                 v = shard.vals[i]
                 if v == o:
                     continue
-                forget(h, None)
+                shard.recent.pop(h, None)
                 if v >= 0:
                     if names[v] is None:
                         shard.vals[i] = o  # the old holder is a dead generation
@@ -195,7 +196,7 @@ class BlockIndex(IndexUpkeep):
                     shard.shared[h] = bits | bit
                 added += 1
                 continue
-            forget(h, None)
+            shard.recent.pop(h, None)
             if shard.vals[i] == EMPTY:
                 shard.used += 1
             shard.keys[i] = h
@@ -231,7 +232,7 @@ class BlockIndex(IndexUpkeep):
                 shard.vals[i] = TOMB
                 shard.live -= 1
                 gone += 1
-                self._recent.pop(h, None)
+                shard.recent.pop(h, None)
             elif v == SHARED:
                 bits = shard.shared[h]
                 if not bits & bit:
@@ -243,7 +244,7 @@ class BlockIndex(IndexUpkeep):
 
     def _set_bits(self, shard: Shard, i: int, h: int, bits: int) -> None:
         """Stores a shared slot's new holders, demoting it to one ordinal or none."""
-        self._recent.pop(h, None)
+        shard.recent.pop(h, None)
         bits &= self._live_mask() | self._staging_bits
         if bits & (bits - 1):
             shard.shared[h] = bits
@@ -330,15 +331,13 @@ class BlockIndex(IndexUpkeep):
         names, shards, generation = self._names, self._shards, self._generation
         spec = self._spec.by_hash if now is not None else None
         self._tick = tick = (self._tick + 1) & 0xFFFFFFFF
-        recent = self._recent if self._remember else None
-        if recent is not None and len(recent) > _RECENT_MAX:
-            recent.clear()
+        remember = self._remember
         alive = -1
         for n, h in enumerate(hashes):
             # 1. real holders of block n (remembered, or a probe of one shard)
-            bits = recent.get(h) if recent is not None else None
+            shard = shards[h & SHARD_MASK]
+            bits = shard.recent.get(h) if remember else None
             if bits is None:
-                shard = shards[h & SHARD_MASK]
                 keys, vals, mask = shard.keys, shard.vals, shard.mask
                 i = (h >> SHARD_BITS) & mask
                 bits = 0
@@ -352,8 +351,10 @@ class BlockIndex(IndexUpkeep):
                             shard.ticks[i] = tick
                         break
                     i = (i + 1) & mask
-                if recent is not None:
-                    recent[h] = bits
+                if remember:
+                    if len(shard.recent) >= _RECENT_PER_SHARD:
+                        shard.recent.clear()  # 64 at a time: no pause to forget them
+                    shard.recent[h] = bits
             # 2. speculative holders that have not expired
             if spec:
                 e = spec.get(h)
@@ -448,8 +449,9 @@ class BlockIndex(IndexUpkeep):
         )
 
 
-# Hashes whose holders a lookup remembers before it starts over (~10 MB at most).
-_RECENT_MAX = 65_536
+# Hashes whose holders a shard remembers before it starts over: 64k in all (at
+# most ~10 MB); forgetting 64 at a time costs a few us, 64k at once up to 2.8 ms.
+_RECENT_PER_SHARD = 64
 
 # Past this many workers in one bitset, ``_name_many`` finds them with numpy (a
 # 1,000-worker bitset: 84 vs 232 us); below it a loop over the set bits is faster.
