@@ -613,8 +613,11 @@ def _deepest_block(cands: Candidates, cached: dict[str, int]) -> int | None:
     """The last block of the longest cached prefix any candidate holds (None: none)."""
     if not cached:
         return None
-    wid = max(cached, key=cached.__getitem__)
-    n, chain = cached[wid], cands.chains.get(wid)
+    if isinstance(cands.chains, SameChain):  # one chain: only the depth matters (C speed)
+        n, chain = max(cached.values()), cands.distinct[0] if cands.distinct else None
+    else:
+        wid = max(cached, key=cached.__getitem__)
+        n, chain = cached[wid], cands.chains.get(wid)
     if n <= 0 or not chain or n > len(chain):
         return None
     return chain[n - 1]

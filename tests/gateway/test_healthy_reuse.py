@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from contract.hashing import HashSpec
 from contract.redis_layout import RedisLayout, WorkerRecord
+from gateway.routing.dispatch import _deepest_block
 from gateway.routing.index import BlockIndex
 from gateway.routing.mirror import IndexMirror
 from loadtest.scale_dispatcher import standalone_dispatcher
@@ -96,6 +97,8 @@ def test_hash_groups_workers_by_spec_and_context_and_keeps_their_order() -> None
             )
         assert cands.chains["a"] is cands.chains["d"] and cands.chains["c"] is cands.chains["e"]
         assert len(cands.chains["a"]) == 6 and len(cands.chains["c"]) == 3
+        deepest = _deepest_block(cands, {"a": 1, "c": 2, "d": 1})
+        assert deepest == cands.chains["c"][1]
         # Per worker, the same rows as one at a time.
         ids, rows = d._rows(cands.entries, {"a": 3})
         assert ids == ["a", "c", "d", "e"]
@@ -120,3 +123,5 @@ def test_a_fleet_of_one_spec_shares_one_chain_without_a_dict_per_request() -> No
     # A look-up's holders are all candidates: they are taken as they came.
     index.add("b", want[:2])
     assert d.look_up(cands) == {"b": 2}
+    # The longest cached prefix's last block (what prefix demand counts).
+    assert _deepest_block(cands, {"a": 1, "b": 2}) == want[1]
