@@ -12,17 +12,20 @@ and replica sync are the real ones, fed through their own entry points
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
 from contract.hashing import HashSpec
 from contract.redis_layout import RedisLayout, WorkerRecord
 from gateway.routing.index import BlockIndex
+from gateway.routing.index_share import IndexServer, RemoteIndex
 from gateway.routing.load import router_rows
 from gateway.routing.mirror import IndexMirror
 from gateway.routing.replicas import ReplicaSync
@@ -226,3 +229,37 @@ async def test_the_dispatchers_own_sends_retries_and_finishes_reach_the_kept_row
     for s in streams:
         s.close(cached_tokens=None)
     rows_equal_fresh()
+
+
+async def test_a_front_process_keeps_rows_over_its_owners_index(tmp_path: Path) -> None:
+    # A front of a multi-process gateway looks blocks up in its owner's index over
+    # the real socket and reads the owner's block counts: its kept rows equal rows
+    # built afresh from the same counts.
+    rnd = random.Random(11)
+    owner_index = BlockIndex()
+    server = IndexServer(str(tmp_path / "index.sock"), owner_index)
+    await server.start(lambda: asyncio.sleep(0, b""))
+    remote = RemoteIndex(server.path)
+    try:
+        await remote.connect(lambda: asyncio.sleep(0, b""))
+        mirror = IndexMirror("redis://unused", RedisLayout("t"), BlockIndex(), blocks=False)
+        d = standalone_dispatcher(mirror, remote)  # type: ignore[arg-type]
+        job = replace(chain_job([]), prompt=Prompt(list(range(300))))
+        chain = job.prompt.block_hashes(HashSpec(16, "m"))
+        for i in range(WORKERS):
+            w = f"w{i:02d}"
+            mirror._discover(w, _record(w, rnd, (4096,)).to_mapping())
+            owner_index.add(w, [*chain[: rnd.randrange(len(chain))], rnd.getrandbits(64)])
+        await remote.refresh_counts()
+        for _ in range(3):
+            cands = d.hash(job, d.candidates())
+            cached = await d.alook_up(cands)
+            assert cached and max(cached.values()) > 1  # the owner's holders came back
+            ids, _, matrix = d._router_view(cands, cached)
+            want_ids, want = router_rows(cands.entries, d.loads, cached, remote.block_count, {})
+            assert matrix is not None and ids == want_ids
+            np.testing.assert_array_equal(matrix, np.array(want, dtype=np.float64))
+            decision = d.choose(job, cands, cached)
+            d.loads.of(decision.worker_id).inflight += 1
+    finally:
+        await server.close()
