@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from contract.hashing import HashSpec
 from contract.redis_layout import RedisLayout, WorkerRecord
@@ -33,6 +34,7 @@ from gateway.routing.router import SMALL_FLEET, Router, RouterConfig, RouteReque
 from gateway.text.prefix_tokens import Prompt
 from gateway.upstream.base import Chunk
 from loadtest.scale_dispatcher import chain_job, standalone_dispatcher
+from openai_api.errors import APIError
 
 WORKERS = 48  # past SMALL_FLEET: the matrix path
 
@@ -263,3 +265,22 @@ async def test_a_front_process_keeps_rows_over_its_owners_index(tmp_path: Path) 
             d.loads.of(decision.worker_id).inflight += 1
     finally:
         await server.close()
+
+
+def test_a_large_fleet_answers_429_when_every_queue_is_full() -> None:
+    rnd = random.Random(5)
+    index = BlockIndex()
+    mirror = IndexMirror("redis://unused", RedisLayout("t"), index)
+    d = standalone_dispatcher(mirror, index, max_queue_per_worker=2)
+    workers = [f"w{i:02d}" for i in range(WORKERS)]
+    for w in workers:
+        mirror._discover(w, _record(w, rnd, (4096,), waiting=0).to_mapping())
+    job = replace(chain_job([]), prompt=Prompt(list(range(100))))
+    for w in workers[1:]:
+        d.loads.of(w).pending = 2  # sent, no first token yet
+    cands = d.hash(job, d.candidates())
+    assert d.choose(job, cands, d.look_up(cands)).worker_id  # w00 has room: no 429
+    d.loads.of("w00").pending = 2
+    with pytest.raises(APIError) as err:
+        d.choose(job, cands, d.look_up(cands))
+    assert err.value.status == 429
