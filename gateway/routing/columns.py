@@ -86,6 +86,14 @@ class FleetColumns:
             matrix[at, _CACHED] = blocks
         return ids, matrix
 
+    def unused(self, peers_touched: set[str]) -> None:
+        """The fleet is routed without the matrix (small, or another policy): the
+        marks are dropped as they come (workers come and go under new names) and
+        the matrix is rebuilt if it is needed again."""
+        self.loads.touched.clear()
+        peers_touched.clear()
+        self._of = None
+
     def _rebuild(self, healthy: list[WorkerEntry], peers: Mapping[str, PeerLoad]) -> None:
         ids, rows = router_rows(healthy, self.loads, {}, _no_blocks, peers)
         self._of, self._ids = healthy, ids

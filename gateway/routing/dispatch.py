@@ -298,19 +298,24 @@ class Dispatcher:
     ) -> tuple[list[str], list[Row], np.ndarray | None]:
         """The candidates' ids and rows: a large fleet's as one matrix kept between
         requests (``gateway.routing.columns``), a small one's built per request."""
-        if len(cands.entries) > SMALL_FLEET and self.router.config.policy == "kvroute":
-            sync = self.replicas
+        sync = self.replicas
+        peers_touched = sync.touched if sync is not None else self._no_peers_touched
+        kvroute = self.router.config.policy == "kvroute"
+        if len(cands.entries) > SMALL_FLEET and kvroute:
             found = self._columns.rows(
                 self.healthy(),
                 cands.entries,
                 cached,
                 self.index.block_counts,
                 sync.peer_loads() if sync is not None else {},
-                sync.touched if sync is not None else self._no_peers_touched,
+                peers_touched,
             )
             if found is not None:
                 return found[0], [], found[1]
-        return *self._rows(cands.entries, cached), None
+        ids, rows = self._rows(cands.entries, cached)
+        if len(self.healthy()) <= SMALL_FLEET or not kvroute:
+            self._columns.unused(peers_touched)  # a small fleet: no marks to keep
+        return ids, rows, None
 
     def _demand(self, cands: Candidates, cached: dict[str, int], now: float) -> float:
         """How many requests lately wanted this one's longest cached prefix (it included)."""

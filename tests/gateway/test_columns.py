@@ -284,3 +284,19 @@ def test_a_large_fleet_answers_429_when_every_queue_is_full() -> None:
     with pytest.raises(APIError) as err:
         d.choose(job, cands, d.look_up(cands))
     assert err.value.status == 429
+
+
+def test_a_small_fleet_keeps_no_marks() -> None:
+    # Routed without the matrix, the marks would only pile up: worker names change
+    # with every restart of a worker pod.
+    rnd = random.Random(9)
+    index = BlockIndex()
+    mirror = IndexMirror("redis://unused", RedisLayout("t"), index)
+    d = standalone_dispatcher(mirror, index)
+    for i in range(4):
+        mirror._discover(f"w{i}", _record(f"w{i}", rnd, (4096,)).to_mapping())
+    job = replace(chain_job([]), prompt=Prompt(list(range(100))))
+    d.loads.of("gone-long-ago").inflight += 1
+    cands = d.hash(job, d.candidates())
+    d.choose(job, cands, d.look_up(cands))
+    assert d.loads.touched == set()
