@@ -370,13 +370,8 @@ class BlockIndex(IndexUpkeep):
             else:
                 ended = 0
                 alive = bits & self._live_bits  # dead generations drop out here
-            if ended.bit_count() > _FEW_BITS:
+            if ended:
                 _name_many(result, names, ended, n)
-            else:
-                while ended:
-                    low = ended & -ended
-                    result[names[low.bit_length() - 1]] = n  # type: ignore[index]
-                    ended ^= low
             if not alive:
                 return result
         _name_many(result, names, alive, len(hashes))
