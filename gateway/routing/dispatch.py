@@ -267,12 +267,7 @@ class Dispatcher:
     def choose(self, job: Job, cands: Candidates, cached: dict[str, int]) -> Decision:
         """The router's pick (and ranked fallbacks); 429 when every queue is full."""
         ids, rows, matrix = self._router_view(cands, cached)
-        limit = self.max_queue_per_worker
-        if matrix is not None:
-            queues = matrix[:, [_WAITING, _PENDING]].max(axis=1).tolist()
-        else:
-            queues = [max(row[_WAITING], row[_PENDING]) for row in rows]
-        if limit > 0 and min(queues) >= limit:
+        if self._queues_full(rows, matrix):
             raise APIError(
                 429,
                 "every worker's queue is full; retry shortly",
@@ -292,6 +287,16 @@ class Dispatcher:
         if matrix is not None:
             return self.router.choose_columns(request, ids, matrix)
         return self.router.choose_rows(request, ids, rows)
+
+    def _queues_full(self, rows: list[Row], matrix: np.ndarray | None) -> bool:
+        """Whether every candidate queues ``--max-queue-per-worker`` requests (never when
+        the bound is off: the default, so no request pays for the check)."""
+        limit = self.max_queue_per_worker
+        if limit <= 0:
+            return False
+        if matrix is not None:
+            return bool((matrix[:, [_WAITING, _PENDING]].max(axis=1) >= limit).all())
+        return all(max(row[_WAITING], row[_PENDING]) >= limit for row in rows)
 
     def _router_view(
         self, cands: Candidates, cached: dict[str, int]
