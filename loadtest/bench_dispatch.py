@@ -31,11 +31,11 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.getcwd())  # the checkout being measured (``--checkout`` runs it there)
+if __name__ == "__main__":  # ``--checkout`` runs this file there: that checkout's packages
+    sys.path.insert(0, os.getcwd())
 
 from gateway.routing.index import BlockIndex
 from gateway.routing.load import GatewayLoad
-from loadtest.bench_scale import Fleet
 from loadtest.scale_dispatcher import chain_job, fleet_dispatcher
 
 
@@ -48,12 +48,29 @@ def _load_of(dispatcher: Any, worker_id: str) -> GatewayLoad:
     return load
 
 
+def sent_and_finished(dispatcher: Any, worker_id: str, sent: deque[str], n: int) -> None:
+    """What the gateway changes between two requests: the routed one's load goes up,
+    a request routed 8 earlier finishes, and every 500 requests (a registry poll
+    at 1,000 req/s) the workers' records change, so the router's rows are rebuilt.
+    (``bench_scale`` calls it too.)"""
+    _load_of(dispatcher, worker_id).inflight += 1
+    sent.append(worker_id)
+    if len(sent) > 8:
+        done = _load_of(dispatcher, sent.popleft())
+        done.inflight -= 1
+        done.finished += 1
+    if n % 500 == 499:
+        dispatcher.mirror.changes += 1
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 3)
 
 
 def run(workers: int, blocks: int, requests: int, seed: int = 1) -> dict[str, Any]:
+    from loadtest.bench_scale import Fleet  # here: bench_scale imports this module
+
     fleet = Fleet(workers, blocks)
     index = BlockIndex()
     ids = [f"w{i}" for i in range(workers)]
@@ -72,14 +89,7 @@ def run(workers: int, blocks: int, requests: int, seed: int = 1) -> dict[str, An
         cands = dispatcher.hash(job, dispatcher.candidates())
         decision = dispatcher.choose(job, cands, dispatcher.look_up(cands))
         hit.append(clock() - t0)
-        _load_of(dispatcher, decision.worker_id).inflight += 1
-        sent.append(decision.worker_id)
-        if len(sent) > 8:
-            done = _load_of(dispatcher, sent.popleft())
-            done.inflight -= 1
-            done.finished += 1
-        if n % 500 == 499:
-            dispatcher.mirror.changes += 1  # a registry poll changed the records
+        sent_and_finished(dispatcher, decision.worker_id, sent, n)
         cold = chain_job([rng.getrandbits(63) for _ in range(len(chain))])
         t0 = clock()
         cands = dispatcher.hash(cold, dispatcher.candidates())

@@ -56,6 +56,7 @@ import numpy as np
 import psutil
 
 from gateway.routing.index import BlockIndex
+from loadtest.bench_dispatch import sent_and_finished
 from loadtest.scale_dispatcher import chain_job, fleet_dispatcher
 from loadtest.scale_redis import bench_redis
 
@@ -116,20 +117,6 @@ class Fleet:
         return np.concatenate(parts)[: self.blocks]
 
 
-def _sent_and_finished(dispatcher: Any, worker_id: str, sent: deque[str], n: int) -> None:
-    """What the gateway changes between two requests: the routed one's load goes up,
-    a request routed 8 earlier finishes, and every 500 requests (a registry poll
-    at 1,000 req/s) the workers' records change, so the router's rows are rebuilt."""
-    dispatcher.loads.of(worker_id).inflight += 1
-    sent.append(worker_id)
-    if len(sent) > 8:
-        done = dispatcher.loads.of(sent.popleft())
-        done.inflight -= 1
-        done.finished += 1
-    if n % 500 == 499:
-        dispatcher.mirror.changes += 1
-
-
 def bench_fleet(workers: int, blocks: int, lookups: int) -> dict[str, Any]:
     """Builds one fleet's index in-process and times lookups and routing."""
     gc.collect()
@@ -175,7 +162,7 @@ def bench_fleet(workers: int, blocks: int, lookups: int) -> dict[str, Any]:
         hit_ms.append((clock() - t0) * 1e3)
         hit_wall_ms.append((time.perf_counter() - wall0) * 1e3)
         assert decision.worker_id
-        _sent_and_finished(dispatcher, decision.worker_id, sent, n)
+        sent_and_finished(dispatcher, decision.worker_id, sent, n)
         miss = chain_job(_hashes(len(chain)).tolist())
         t0 = clock()
         cands = dispatcher.hash(miss, dispatcher.candidates())
