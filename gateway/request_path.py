@@ -85,6 +85,7 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     # 32 random hex digits, as uuid4().hex gives, at a fifth of its cost (0.3 against 1.6 us)
     rid = ("chatcmpl-" if chat else "cmpl-") + os.urandom(16).hex()
     note_request(request, rid, tenant.name, tokenize_s)
+    tools = req.tools if isinstance(req, ChatRequest) else None
     job = Job(
         request_id=rid,
         prompt=prompt,
@@ -93,6 +94,7 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
         session_key=session_key(request, s, tenant),
         started=started,
         max_tokens_fixed=s.max_tokens is not None,
+        whole_answer=not s.stream and not s.stop and tools is None,
     )
     d = state.dispatcher
     # 5. hash
@@ -101,7 +103,6 @@ async def serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     cached = await d.alook_up(candidates)
     # 7. choose
     decision = d.choose(job, candidates, cached)
-    tools = req.tools if isinstance(req, ChatRequest) else None
     relay = Relay(
         state.tokenizer.tokenizer, served_name(state, s.model), job, s, chat, tools, tool_fmt
     )

@@ -372,7 +372,7 @@ class Dispatcher:
                 self.replicas.routed(
                     wid, chain, job.session_key, self._hold_s(), _deepest_block(cands, cached)
                 )
-            interval = stream_interval(self.stream_interval, self.open_streams)
+            interval = stream_interval(self.stream_interval, self.open_streams, job.whole_answer)
             generation = job.for_worker(entry.record.max_model_len, attempt, interval)
             upstream = self.upstreams[getattr(entry.record, "transport", "") or DEFAULT_TRANSPORT]
             call = upstream.start(

@@ -24,6 +24,11 @@ from openai_api.errors import APIError
 # message (a gRPC read, a detokenizer push, an SSE write), not per token.
 STREAMS_PER_STEP = 8
 MAX_AUTO_INTERVAL = 8
+# Tokens per worker message for an answer the client reads whole (``Job.whole_answer``):
+# the gateway only collects them, so messages between the first and the last are
+# overhead (a chat of 8 tokens: 2 messages instead of 8). Bounded so a worker
+# decoding at a token a second still speaks well inside the inter-token timeout.
+WHOLE_ANSWER_INTERVAL = 16
 
 if TYPE_CHECKING:
     from gateway.routing.dispatch import Dispatcher
@@ -44,6 +49,9 @@ class Job:
     started: float  # perf_counter() when the HTTP request arrived
     # False when the client left max_tokens unset: each worker fills its own context.
     max_tokens_fixed: bool = True
+    # The client reads the answer whole (no stream) and nothing is looked for in the
+    # text as it comes (no stop string, no tool call): larger worker messages do.
+    whole_answer: bool = False
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -127,14 +135,16 @@ class Stream:
         self._d.finished(self, cached_tokens)
 
 
-def stream_interval(fixed: int, open_streams: int) -> int:
+def stream_interval(fixed: int, open_streams: int, whole_answer: bool = False) -> int:
     """Tokens per worker message for the next request (``--stream-interval``; 0 = auto).
 
     Auto keeps token-by-token streaming while the gateway is lightly loaded
     and, as it relays more streams, asks workers for fewer, larger messages:
-    1 up to 15 open streams, 2 from 16, ... 8 from 64. The first token always
-    goes at once, so TTFT does not change.
+    1 up to 15 open streams, 2 from 16, ... 8 from 64. An answer the client
+    reads whole takes at least ``WHOLE_ANSWER_INTERVAL``. The first token
+    always goes at once, so TTFT does not change.
     """
-    if fixed > 0:
-        return fixed
-    return max(1, min(MAX_AUTO_INTERVAL, open_streams // STREAMS_PER_STEP))
+    interval = (
+        fixed if fixed > 0 else max(1, min(MAX_AUTO_INTERVAL, open_streams // STREAMS_PER_STEP))
+    )
+    return max(interval, WHOLE_ANSWER_INTERVAL) if whole_answer else interval

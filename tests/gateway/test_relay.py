@@ -152,6 +152,9 @@ def test_auto_stream_interval_grows_with_the_open_streams() -> None:
         1, 1, 1, 2, 3, 4, 7, 8, 8,
     ]  # fmt: skip
     assert stream_interval(3, 500) == stream_interval(3, 0) == 3  # fixed by --stream-interval
+    # An answer read whole takes at least WHOLE_ANSWER_INTERVAL tokens a message.
+    assert stream_interval(0, 0, whole_answer=True) == 16
+    assert stream_interval(32, 0, whole_answer=True) == 32
 
 
 async def test_the_gateway_asks_workers_for_its_stream_interval(
@@ -159,8 +162,21 @@ async def test_the_gateway_asks_workers_for_its_stream_interval(
 ) -> None:
     lightly = await make_gateway()
     worker, _ = await lightly.add_worker("w0", reply=REPLY)
-    assert (await lightly.chat(HELLO)).status == 200
+    resp = await lightly.chat(HELLO, stream=True)
+    assert resp.status == 200
+    assert "[DONE]" in await resp.text()
     assert worker.requests[-1].stream_interval == 1  # one stream open: token by token
+    # A JSON answer is collected whole: one message for the first token, then 16 a message.
+    resp = await lightly.chat(HELLO)
+    assert resp.status == 200
+    assert (await resp.json())["choices"][0]["message"]["content"] == REPLY
+    assert worker.requests[-1].stream_interval == 16
+    # ... unless its text is read as it comes: for a stop string, or tool calls.
+    assert (await lightly.chat(HELLO, stop=["zzz"])).status == 200
+    assert worker.requests[-1].stream_interval == 1
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert (await lightly.chat(HELLO, tools=[tool])).status == 200
+    assert worker.requests[-1].stream_interval == 1
     fixed = await make_gateway(stream_interval=4)
     worker, _ = await fixed.add_worker("w1", reply=REPLY)
     resp = await fixed.chat(HELLO, stream=True)
@@ -170,6 +186,7 @@ async def test_the_gateway_asks_workers_for_its_stream_interval(
     # 24 streams held open on one gateway: the next request asks for 3 tokens a message.
     fixed.state.dispatcher.stream_interval = 0
     fixed.state.dispatcher.open_streams = 24
-    assert (await fixed.chat(HELLO)).status == 200
+    resp = await fixed.chat(HELLO, stream=True)
+    assert "[DONE]" in await resp.text()
     assert worker.requests[-1].stream_interval == 3
     fixed.state.dispatcher.open_streams = 0
