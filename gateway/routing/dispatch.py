@@ -360,7 +360,10 @@ class Dispatcher:
             # Held while the request waits for its first token: a queued request's
             # blocks are stored only when its prefill runs (a 2 s guess let the
             # siblings of a request queued longer scatter on a saturated fleet).
-            self.index.speculate(wid, chain, now, self._hold_s())
+            # Blocks the worker really holds need no claim.
+            held = self.index.real_depth(wid, chain) if chain else 0
+            claim = chain[held:] if held else chain
+            self.index.speculate(wid, claim, now, self._hold_s())
             self.sessions.put(job.session_key, wid, now)
             load = self.loads.of(wid)
             uncached = len(job.prompt_ids) - predicted
@@ -414,7 +417,7 @@ class Dispatcher:
                 self.loads.touched.add(wid)
                 load.pending -= 1
                 load.pending_prefill_tokens -= uncached
-                self._settle(wid, chain, served=first is not None)
+                self._settle(wid, chain, claim, served=first is not None)
                 if self.replicas is not None:
                     self.replicas.load_changed(wid)
             series = self.metrics.worker(wid)
@@ -446,15 +449,16 @@ class Dispatcher:
             return 0.0
         return self.first_token_timeout_s + self.speculative_ttl_s
 
-    def _settle(self, wid: str, chain: list[int], *, served: bool) -> None:
-        """Ends the hold on ``chain``: the prompt is in the worker's cache (its events
-        land within the grace), or the worker failed it and holds nothing for it."""
+    def _settle(self, wid: str, chain: list[int], claim: list[int], *, served: bool) -> None:
+        """Ends the hold on ``chain`` (``claim``: the part this gateway's index held
+        speculatively): the prompt is in the worker's cache (its events land within
+        the grace), or the worker failed it and holds nothing for it."""
         if not chain or self.speculative_ttl_s <= 0:
             return
         if served:
-            self.index.speculate(wid, chain, time.monotonic(), self.speculative_ttl_s)
+            self.index.speculate(wid, claim, time.monotonic(), self.speculative_ttl_s)
         else:
-            self.index.withdraw(wid, chain)
+            self.index.withdraw(wid, claim)
         if self.replicas is not None:
             self.replicas.settled(wid, chain, self.speculative_ttl_s if served else 0.0)
 

@@ -388,6 +388,35 @@ class BlockIndex(IndexUpkeep):
         entry[COMPUTED] = now
         return bits
 
+    def real_depth(self, worker_id: str, hashes: Sequence[int]) -> int:
+        """How many leading blocks of the chain ``hashes`` ``worker_id`` really holds
+        (its Redis set says so; speculative entries do not count).
+
+        The dispatcher claims only the rest speculatively: a conversation's history
+        is usually cached for real already, and claiming its 380 blocks again cost
+        two passes over them per request (routed, first token) and a third to expire
+        them. Right after ``longest_prefix`` walked the chain its blocks are
+        remembered, so this costs a dict read per held block and stops at the first
+        one the worker lacks. It neither remembers nor stamps what it reads: it is
+        not a look-up.
+        """
+        o = self._ord.get(worker_id)
+        if o is None:
+            return 0
+        shards, remember = self._shards, self._remember
+        for n, h in enumerate(hashes):
+            shard = shards[h & SHARD_MASK]
+            bits = shard.recent.get(h) if remember else None
+            if bits is None:
+                i = shard.find(h)
+                if i < 0:
+                    return n
+                v = shard.vals[i]
+                bits = (1 << v) if v >= 0 else shard.shared[h]
+            if not bits >> o & 1:
+                return n
+        return len(hashes)
+
     def block_count(self, worker_id: str) -> int:
         """Real blocks the index believes ``worker_id`` holds."""
         o = self._ord.get(worker_id)

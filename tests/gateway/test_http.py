@@ -396,6 +396,31 @@ async def test_a_queued_request_keeps_its_chain_until_its_first_token(
     await eventually(lambda: gateway.state.index.longest_prefix(chain, _now()) == {})
 
 
+async def test_only_blocks_the_worker_lacks_are_claimed(make_gateway: MakeGateway) -> None:
+    # b really holds the first half of the chain (its Redis set says so): routing claims
+    # the rest speculatively, so siblings still find the whole chain there, and a
+    # sibling's first token shortens only that claim.
+    import asyncio
+
+    gateway = await make_gateway(speculative_ttl_s=60.0)
+    await gateway.add_worker("a")
+    _, reg_b = await gateway.add_worker("b", "slow answer", delay_s=0.5)
+    messages = [{"role": "user", "content": "a document half cached on b " * 20}]
+    chain = gateway.chat_hashes(messages)
+    half = len(chain) // 2
+    await reg_b.store(chain[:half])
+    index = gateway.state.index
+    await eventually(lambda: index.block_count("b") == half)
+    first = asyncio.create_task(gateway.chat(messages))
+    await eventually(lambda: index.speculative_count() > 0)
+    assert index.speculative_count() == len(chain) - half
+    assert index.longest_prefix(chain, _now()) == {"b": len(chain)}
+    assert index.longest_prefix(chain) == {"b": half}  # real blocks only
+    resp = await first
+    assert (resp.status, resp.headers["x-kvroute-worker"]) == (200, "b")
+    assert index.speculative_count() == len(chain) - half
+
+
 async def test_a_failed_call_withdraws_its_speculation(gateway: Harness) -> None:
     import grpc
 

@@ -167,9 +167,16 @@ def test_index_equals_a_plain_model_after_any_sequence_of_events() -> None:
             if step % 3 == 0:  # a hot chain, walked again and again (remembered holders)
                 hot = pool[: rnd.randint(1, 20)]
                 assert index.longest_prefix(hot) == _reference_prefix(model, hot)
+                # Right after a walk (remembered holders) its real depth per worker;
+                # speculative holds never count there.
+                for x in rnd.sample(workers, 3):
+                    depth = _reference_prefix({x: model.get(x, set())}, hot).get(x, 0)
+                    assert index.real_depth(x, hot) == depth
             if step % 25 == 0:
                 owner = rnd.choice(workers)
                 chain = sorted(model.get(owner, ()))[:8] + rnd.sample(pool, 3)
+                depth = _reference_prefix({owner: model.get(owner, set())}, chain).get(owner, 0)
+                assert index.real_depth(owner, chain) == depth  # not walked: table probes
                 assert index.longest_prefix(chain) == _reference_prefix(model, chain)
                 assert all(index.block_count(x) == len(model.get(x, ())) for x in workers)
                 assert index.workers() == sorted(model)
@@ -181,6 +188,31 @@ def test_index_equals_a_plain_model_after_any_sequence_of_events() -> None:
         assert index.stats().dead_ordinals == 0
         chain = sorted(next(iter(model.values()), ()))[:5]
         assert index.longest_prefix(chain) == _reference_prefix(model, chain)
+
+
+def test_real_depth_counts_the_workers_real_blocks_from_block_zero() -> None:
+    import numpy as np
+
+    for bound in (0, 1000):  # remembered walks, and a memory-bound index (table probes)
+        index = BlockIndex(max_entries=bound)
+        index.add("a", [1, 2, 3, 5])
+        index.add("b", [1, 2])  # block 1 and 2 shared: bitsets
+        index.speculate("a", [1, 2, 3, 4, 5], now=0.0, ttl=10.0)
+        index.speculate("c", [1, 2], now=0.0, ttl=10.0)
+        assert index.longest_prefix([1, 2, 3, 4, 5], now=1.0) == {"a": 5, "b": 2, "c": 2}
+        ticks = [np.asarray(s.ticks).copy() for s in index._shards if s.ticks is not None]
+        remembered = sum(len(s.recent) for s in index._shards)
+        assert index.real_depth("a", [1, 2, 3, 4, 5]) == 3  # 4 is only speculative
+        assert index.real_depth("b", [1, 2, 3]) == 2
+        assert index.real_depth("c", [1, 2]) == 0  # speculation alone
+        assert index.real_depth("zz", [1, 2]) == 0  # unknown worker
+        assert index.real_depth("a", [9, 1]) == 0 and index.real_depth("a", []) == 0
+        # Not a look-up: nothing stamped for eviction, nothing remembered.
+        after = [np.asarray(s.ticks) for s in index._shards if s.ticks is not None]
+        assert all((x == y).all() for x, y in zip(ticks, after, strict=True))
+        assert sum(len(s.recent) for s in index._shards) == remembered
+        index.remove("a", [2])
+        assert index.real_depth("a", [1, 2, 3]) == 1  # the remembered holders were forgotten
 
 
 def test_a_hold_renewed_with_an_earlier_clock_read_still_counts() -> None:
