@@ -4,7 +4,10 @@
 fakes speaking kvroute's worker contract, each registered in Redis by the
 real ``Publisher``, and N OpenAI HTTP fakes for the peer routers; it writes
 the HTTP URLs to a file once every publisher has synced. What a router in
-front of them costs is then all that is measured.
+front of them costs is then all that is measured. Each gRPC fake keeps the
+blocks of the prompts it served in a ``FakeCache`` and publishes them as a
+real worker does, so kvroute's gateway pays for the cache events it would
+get in a real fleet and finds a repeated history really cached.
 
 Messages per token follow a real worker's: the first token alone, then one
 message per ``stream_interval`` tokens (the request's ``stream_interval``,
@@ -24,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import OrderedDict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -32,15 +37,20 @@ from aiohttp import web
 
 from contract import worker_pb2 as pb
 from contract import worker_pb2_grpc
-from contract.hashing import HashSpec
-from contract.prompt_wire import PROMPT_LE32, prompt_length
+from contract.events import BlockRemoved, BlockStored, KVEvent
+from contract.hashing import HashSpec, block_hashes
+from contract.prompt_wire import PROMPT_LE32, prompt_ids, prompt_length
 from contract.redis_layout import WorkerRecord
 from loadtest.fleet import free_port
 from loadtest.scale_redis import FakeEngine
+from worker.publish.event_queue import EventQueue
 from worker.serve.frames_server import FramesServer
 from worker.serve.grpc_mux import GenerateManyMixin
 
 MODEL = "bench"
+# Blocks each fake caches (16 tokens each: 1M tokens, a GPU worker's KV cache for an
+# 8B model): a repeated chat stays cached, a stream of cold 6k-token ones evicts.
+CACHE_BLOCKS = 65_536
 
 
 def message_sizes(n: int, stream_interval: int) -> list[int]:
@@ -55,14 +65,75 @@ def message_sizes(n: int, stream_interval: int) -> list[int]:
     return sizes
 
 
-class _InstantGrpc(GenerateManyMixin, worker_pb2_grpc.WorkerServicer):
-    """kvroute's worker contract with no engine: ``max_tokens`` tokens (``message_sizes``)."""
+class FakeCache:
+    """A worker's prefix cache with no memory behind it: the chain hashes of the prompts
+    it served, the least recently used evicted past ``capacity`` blocks, every change
+    published as a real worker's ``BlockStored`` / ``BlockRemoved`` events. The gateway
+    in front then holds in its index what it would hold in a real fleet (a repeated
+    history really cached, a cold prompt stored and older ones evicted), and pays for
+    the events as it would.
 
-    def __init__(self, worker_id: str, stream_interval: int = 1) -> None:
+    Also the ``Publisher``'s engine: ``stats`` and ``resident_block_hashes``.
+    """
+
+    def __init__(self, spec: HashSpec, events: EventQueue, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"a fake cache of {capacity} blocks")
+        self.spec, self.events, self.capacity = spec, events, capacity
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def serve(self, prompt: list[int], cache_salt: str) -> int:
+        """Caches ``prompt``'s blocks (publishing what changed); returns how many of its
+        tokens were cached before."""
+        chain = block_hashes(prompt, self.spec.with_salt(cache_salt))
+        blocks = self._blocks
+        hit = 0
+        while hit < len(chain) and chain[hit] in blocks:
+            blocks.move_to_end(chain[hit])
+            hit += 1
+        new = chain[hit:]
+        blocks.update(dict.fromkeys(new))
+        evicted = []
+        while len(blocks) > self.capacity:
+            evicted.append(blocks.popitem(last=False)[0])
+        events: list[KVEvent] = []
+        if evicted:
+            events.append(BlockRemoved(tuple(evicted)))
+        if new:
+            events.append(BlockStored(tuple(new), chain[hit - 1] if hit else None))
+        self.events.put(events)
+        return hit * self.spec.block_size
+
+    def stats(self) -> Any:
+        return SimpleNamespace(
+            num_blocks=self.capacity,
+            free_blocks=self.capacity - len(self._blocks),
+            running=0,
+            waiting=0,
+            queued_prefill_tokens=0,
+            prefill_tokens_per_s=0.0,
+            decode_tokens_per_s=0.0,
+        )
+
+    def resident_block_hashes(self) -> set[int]:
+        return set(self._blocks)
+
+
+class _InstantGrpc(GenerateManyMixin, worker_pb2_grpc.WorkerServicer):
+    """kvroute's worker contract with no engine: ``max_tokens`` tokens (``message_sizes``),
+    the prompt's blocks cached in ``cache`` (``FakeCache``) when given."""
+
+    def __init__(
+        self, worker_id: str, stream_interval: int = 1, cache: FakeCache | None = None
+    ) -> None:
         self.worker_id = worker_id
         self.stream_interval = stream_interval
+        self.cache = cache
 
     async def Generate(self, request: Any, context: Any) -> Any:
+        cached = (
+            0 if self.cache is None else self.cache.serve(prompt_ids(request), request.cache_salt)
+        )
         n = max(1, request.sampling.max_tokens)
         # As a real worker: the request's stream interval (the gateway's), else its own.
         sizes = message_sizes(n, request.stream_interval or self.stream_interval)
@@ -76,7 +147,7 @@ class _InstantGrpc(GenerateManyMixin, worker_pb2_grpc.WorkerServicer):
             finished=True,
             finish_reason="length",
             usage=pb.Usage(
-                prompt_tokens=prompt_length(request), completion_tokens=n, cached_tokens=0
+                prompt_tokens=prompt_length(request), completion_tokens=n, cached_tokens=cached
             ),
             worker_id=self.worker_id,
         )
@@ -139,22 +210,75 @@ def _openai_app(stream_interval: int = 1) -> web.Application:
 
 
 async def serve_instant_workers(
-    workers: int, redis_url: str, namespace: str, ready: Path, stream_interval: int = 1
+    workers: int,
+    redis_url: str,
+    namespace: str,
+    ready: Path,
+    stream_interval: int = 1,
+    cache_blocks: int = CACHE_BLOCKS,
 ) -> None:
-    """Runs ``workers`` gRPC fakes (registered) and as many HTTP fakes until killed."""
-    from worker.publish.event_queue import EventQueue
-    from worker.publish.publisher import Publisher, PublisherConfig
+    """Runs ``workers`` gRPC fakes (registered; each caching its prompts' blocks in a
+    ``FakeCache`` of ``cache_blocks``, 0: none, publishing nothing) and as many HTTP
+    fakes until killed."""
+    from worker.publish.publisher import Publisher
 
     spec = HashSpec(block_size=16, model=MODEL)
-    urls, pubs = [], []
+    urls: list[str] = []
+    pubs: list[tuple[Any, Publisher]] = []
+    frames: list[FramesServer] = []
+    runners: list[web.AppRunner] = []
+    try:
+        await _start_fakes(
+            workers,
+            redis_url,
+            namespace,
+            stream_interval,
+            cache_blocks,
+            spec,
+            urls,
+            pubs,
+            frames,
+            runners,
+        )
+        while not all(p.synced for _, p in pubs):
+            await asyncio.sleep(0.05)
+        ready.write_text(json.dumps(urls))
+        await asyncio.Event().wait()
+    finally:  # cancelled (in a test; a benchmark kills the process)
+        for server, pub in pubs:
+            await pub.stop()
+            await server.stop(0)
+        for f in frames:
+            await f.stop(0)
+        for r in runners:
+            await r.cleanup()
+
+
+async def _start_fakes(
+    workers: int,
+    redis_url: str,
+    namespace: str,
+    stream_interval: int,
+    cache_blocks: int,
+    spec: HashSpec,
+    urls: list[str],
+    pubs: list[tuple[Any, Any]],
+    frames: list[FramesServer],
+    runners: list[web.AppRunner],
+) -> None:
+    from worker.publish.publisher import Publisher, PublisherConfig
+
     for i in range(workers):
         server = grpc.aio.server()
-        servicer = _InstantGrpc(f"fake-{i}", stream_interval)
+        events = EventQueue()
+        cache = FakeCache(spec, events, cache_blocks) if cache_blocks else None
+        servicer = _InstantGrpc(f"fake-{i}", stream_interval, cache)
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         # The same stream on a frames port, as a worker started with --frames-port.
-        frames_port = await FramesServer(servicer).start("127.0.0.1", 0)
+        frames.append(FramesServer(servicer))
+        frames_port = await frames[-1].start("127.0.0.1", 0)
         record = WorkerRecord(
             worker_id=f"fake-{i}",
             address=f"127.0.0.1:{port}",
@@ -167,19 +291,16 @@ async def serve_instant_workers(
             prefill_tokens_per_s=10_000.0,
         )
         pub = Publisher(
-            FakeEngine(set()),
-            EventQueue(),
+            cache if cache is not None else FakeEngine(set()),
+            events,
             PublisherConfig(redis_url, f"fake-{i}", namespace, heartbeat_ttl=30.0),
             record,
         )
         await pub.start()
         pubs.append((server, pub))
         runner = web.AppRunner(_openai_app(stream_interval), access_log=None)
+        runners.append(runner)
         await runner.setup()
         http_port = free_port()
         await web.TCPSite(runner, "127.0.0.1", http_port).start()
         urls.append(f"http://127.0.0.1:{http_port}")
-    while not all(p.synced for _, p in pubs):
-        await asyncio.sleep(0.05)
-    ready.write_text(json.dumps(urls))
-    await asyncio.Event().wait()

@@ -55,3 +55,87 @@ async def test_http_fake_sends_one_event_per_message() -> None:
     assert events[-1] == "[DONE]"
     texts = [json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-1]]
     assert [len(t) // 2 for t in texts] == message_sizes(10, 4)
+
+
+def test_fake_cache_publishes_what_a_worker_stores_and_evicts() -> None:
+    from contract.events import BlockRemoved, BlockStored
+    from contract.hashing import HashSpec, block_hashes
+    from loadtest.instant_workers import FakeCache
+    from worker.publish.event_queue import EventQueue
+
+    spec, events = HashSpec(block_size=4, model="m"), EventQueue()
+    cache = FakeCache(spec, events, capacity=6)
+    a, b = list(range(1, 17)), [*range(1, 9), *range(50, 59)]
+    chain_a, chain_b = block_hashes(a, spec), block_hashes(b, spec)
+    assert cache.serve(a, "") == 0  # cold: its 4 blocks stored, in chain order
+    assert events.drain(10) == [BlockStored(tuple(chain_a), None)]
+    assert cache.serve(a, "") == 16  # repeated: all cached, nothing to say
+    assert events.drain(10) == []
+    # b shares a's first 2 blocks: 2 new ones after them; 6 blocks fill the cache.
+    assert cache.serve(b, "") == 8
+    assert events.drain(10) == [BlockStored(tuple(chain_b[2:]), chain_b[1])]
+    # The same prompt under a tenant's salt is another chain: its 4 new blocks evict the
+    # 4 least recently used, a's last two, then the two b shares with a (b used them since).
+    salted = block_hashes(a, spec.with_salt("t"))
+    assert cache.serve(a, "t") == 0
+    assert events.drain(10) == [
+        BlockRemoved((chain_a[2], chain_a[3], chain_b[0], chain_b[1])),
+        BlockStored(tuple(salted), None),
+    ]
+    assert cache.resident_block_hashes() == {*chain_b[2:], *salted}
+    assert cache.stats().num_blocks == 6
+
+
+async def test_a_gateway_mirror_holds_what_the_fakes_cached(redis_url: str) -> None:
+    # The fakes publish through the real Publisher; the gateway's real mirror sees the
+    # served prompt cached on its fake, and a fake reports it cached when it comes again.
+    import asyncio
+    import uuid
+    from pathlib import Path
+    from tempfile import TemporaryDirectory
+
+    import redis.asyncio as aioredis
+
+    from contract.hashing import HashSpec, block_hashes
+    from contract.redis_layout import RedisLayout
+    from gateway.routing.index import BlockIndex
+    from gateway.routing.mirror import IndexMirror
+    from loadtest.instant_workers import MODEL, serve_instant_workers
+
+    ns = f"fakes-{uuid.uuid4().hex[:8]}"
+    with TemporaryDirectory() as tmp:
+        ready = Path(tmp) / "ready.json"
+        fakes = asyncio.create_task(serve_instant_workers(1, redis_url, ns, ready, 1, 64))
+        index = BlockIndex()
+        mirror = IndexMirror(redis_url, RedisLayout(ns), index, poll_s=0.05)
+        follow = asyncio.create_task(mirror.run())
+        try:
+            for _ in range(200):
+                if ready.exists() and "fake-0" in mirror.workers:
+                    break
+                await asyncio.sleep(0.05)
+            address = mirror.workers["fake-0"].record.address
+            prompt = list(range(100, 180))  # 5 blocks of 16
+            chain = block_hashes(prompt, HashSpec(block_size=16, model=MODEL))
+            request = pb.GenerateRequest(
+                prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=2)
+            )
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = worker_pb2_grpc.WorkerStub(channel)
+                first = [m async for m in stub.Generate(request)][-1]
+                again = [m async for m in stub.Generate(request)][-1]
+            assert (first.usage.cached_tokens, again.usage.cached_tokens) == (0, 80)
+            for _ in range(200):
+                if index.longest_prefix(chain) == {"fake-0": 5}:
+                    break
+                await asyncio.sleep(0.05)
+            assert index.longest_prefix(chain) == {"fake-0": 5}
+        finally:
+            follow.cancel()
+            fakes.cancel()
+            await asyncio.gather(follow, fakes, return_exceptions=True)
+            client = aioredis.Redis.from_url(redis_url)
+            keys = [k async for k in client.scan_iter(f"{ns}*")]
+            if keys:
+                await client.delete(*keys)
+            await client.aclose()
