@@ -372,8 +372,9 @@ class Dispatcher:
             load.pending += 1
             load.pending_prefill_tokens += uncached
             if self.replicas is not None:
+                # The other replicas mirror the same real blocks: they get the claim.
                 self.replicas.routed(
-                    wid, chain, job.session_key, self._hold_s(), _deepest_block(cands, cached)
+                    wid, claim, job.session_key, self._hold_s(), _deepest_block(cands, cached)
                 )
             interval = stream_interval(self.stream_interval, self.open_streams, job.whole_answer)
             generation = job.for_worker(entry.record.max_model_len, attempt, interval)
@@ -417,7 +418,7 @@ class Dispatcher:
                 self.loads.touched.add(wid)
                 load.pending -= 1
                 load.pending_prefill_tokens -= uncached
-                self._settle(wid, chain, claim, served=first is not None)
+                self._settle(wid, claim, served=first is not None)
                 if self.replicas is not None:
                     self.replicas.load_changed(wid)
             series = self.metrics.worker(wid)
@@ -449,18 +450,18 @@ class Dispatcher:
             return 0.0
         return self.first_token_timeout_s + self.speculative_ttl_s
 
-    def _settle(self, wid: str, chain: list[int], claim: list[int], *, served: bool) -> None:
-        """Ends the hold on ``chain`` (``claim``: the part this gateway's index held
+    def _settle(self, wid: str, claim: list[int], *, served: bool) -> None:
+        """Ends the hold on ``claim`` (the blocks of the chain that were held only
         speculatively): the prompt is in the worker's cache (its events land within
         the grace), or the worker failed it and holds nothing for it."""
-        if not chain or self.speculative_ttl_s <= 0:
+        if not claim or self.speculative_ttl_s <= 0:
             return
         if served:
             self.index.speculate(wid, claim, time.monotonic(), self.speculative_ttl_s)
         else:
             self.index.withdraw(wid, claim)
         if self.replicas is not None:
-            self.replicas.settled(wid, chain, self.speculative_ttl_s if served else 0.0)
+            self.replicas.settled(wid, claim, self.speculative_ttl_s if served else 0.0)
 
     def _left(self, entry: WorkerEntry) -> bool:
         """Whether ``entry`` stopped being routable (a stalled engine only while others step)."""

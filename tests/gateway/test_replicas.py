@@ -109,6 +109,26 @@ async def test_a_peer_holds_a_queued_chain_until_its_first_token(
     await eventually(lambda: b.state.index.longest_prefix(chain, time.monotonic()) == {})
 
 
+async def test_peers_are_sent_only_the_blocks_a_worker_lacks(make_gateway: MakeGateway) -> None:
+    # w0 really holds half the chain (both replicas mirror it from Redis): the routing
+    # replica claims the other half, and that half is all its peer hears of.
+    a, b = await _replicas(make_gateway, 2, speculative_ttl_s=30.0)
+    await _fleet([a, b], 1, reply="slow answer", delay_s=0.8)
+    messages = [{"role": "user", "content": "a document half cached already " * 20}]
+    chain = a.chat_hashes(messages)
+    half = len(chain) // 2
+    _, reg = a.workers["w0"]
+    await reg.store(chain[:half])
+    for g in (a, b):
+        await eventually(lambda g=g: g.state.index.block_count("w0") == half, what="stored")
+    await eventually(lambda: b.state.dispatcher.replicas.rank()[1] == 2, what="peers")  # type: ignore[union-attr]
+    first = asyncio.create_task(a.chat(messages))
+    await eventually(lambda: b.state.index.speculative_count() > 0, what="peer's claim")
+    assert b.state.index.speculative_count() == len(chain) - half
+    assert b.state.index.longest_prefix(chain, time.monotonic()) == {"w0": len(chain)}
+    assert (await first).status == 200
+
+
 async def test_a_prefix_wanted_at_one_replica_counts_at_the_others(
     make_gateway: MakeGateway,
 ) -> None:
