@@ -131,17 +131,19 @@ class _InstantGrpc(GenerateManyMixin, worker_pb2_grpc.WorkerServicer):
         self.cache = cache
 
     async def Generate(self, request: Any, context: Any) -> Any:
-        cached = (
-            0 if self.cache is None else self.cache.serve(prompt_ids(request), request.cache_salt)
-        )
         n = max(1, request.sampling.max_tokens)
         # As a real worker: the request's stream interval (the gateway's), else its own.
         sizes = message_sizes(n, request.stream_interval or self.stream_interval)
         sent = 0
+        cached: int | None = None
         for size in sizes[:-1]:
             ids = [1000 + (sent + i) % 500 for i in range(size)]
             sent += size
             yield pb.GenerateResponse(token_ids=ids, worker_id=self.worker_id)
+            if cached is None:  # a worker stores the prompt's blocks once its prefill ran
+                cached = self._store(request)
+        if cached is None:
+            cached = self._store(request)
         yield pb.GenerateResponse(
             token_ids=[1000 + (sent + i) % 500 for i in range(sizes[-1])],
             finished=True,
@@ -151,6 +153,12 @@ class _InstantGrpc(GenerateManyMixin, worker_pb2_grpc.WorkerServicer):
             ),
             worker_id=self.worker_id,
         )
+
+    def _store(self, request: Any) -> int:
+        """Caches the request's prompt (``FakeCache.serve``); its cached tokens before."""
+        if self.cache is None:
+            return 0
+        return self.cache.serve(prompt_ids(request), request.cache_salt)
 
     async def Health(self, request: Any, context: Any) -> Any:
         return pb.HealthResponse(serving=True)
