@@ -22,7 +22,8 @@ measured against the build before it in the same run, round by round;
 ``kvroute_cpu_vs_baseline`` is the ratio. Rounds interleave the routers (A/B/A/B), and every figure is
 the median over rounds. The peers do not tokenize; kvroute does. The fakes
 are ``loadtest.instant_workers``: one message (gRPC) or SSE event (HTTP) per
-token, as a worker sends them when it keeps up; ``--stream-interval N`` makes
+token, as a worker sends them when it keeps up, and kvroute's publish the
+blocks of the prompts they served (``FakeCache``), as workers do; ``--stream-interval N`` makes
 them send every N tokens, as workers started with that flag do.
 
 Workloads: ``chat_small`` (a ~209-token chat, 8 tokens out), ``stream_128``
