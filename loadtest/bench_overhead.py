@@ -31,11 +31,14 @@ Workloads: ``chat_small`` (a ~209-token chat, 8 tokens out), ``stream_128``
 ``chat_6k_repeat`` (one ~6k-token 12-turn chat sent again and again) and
 ``chat_6k_cold`` (a different ~6k-token chat every request: 200 chats, each
 sent with a number never sent before at the start of its system prompt, so
-no prefix of it was seen by any cache).
+no prefix of it was seen by any cache); ``json_256``, only when named, is the
+small chat answered with 256 tokens as one JSON body (where ``--concurrency``
+below 16 shows the worker messages a whole answer saves).
 
     python -m loadtest.bench_overhead                         # ~10 min
     python -m loadtest.bench_overhead --routers kvroute --seconds 3 --rounds 1
     python -m loadtest.bench_overhead --routers kvroute --stream-interval 4
+    python -m loadtest.bench_overhead --routers kvroute --workloads json_256 --concurrency 4
     git worktree add /tmp/kvroute-base HEAD~3 && python -m loadtest.bench_overhead \
         --routers kvroute,kvroute_baseline --baseline-tree /tmp/kvroute-base --rounds 4
 """
@@ -83,6 +86,8 @@ ROUTERS = (
     "vllm_cache_aware",
 )
 WORKLOADS = ("chat_small", "stream_128", "chat_6k_repeat", "chat_6k_cold")
+# Run only when named (``--workloads``): not part of the issue's table.
+EXTRA_WORKLOADS = ("json_256",)
 NONCE = b"@nonce@"  # in a cold body's system prompt; see _sendable
 _SENT = itertools.count(1)
 
@@ -112,6 +117,8 @@ def make_bodies(workload: str, count: int, seed: int) -> list[bytes]:
     if workload == "stream_128":
         body = {"model": MODEL, "messages": small, "max_tokens": 128, "stream": True}
         return [json.dumps(body).encode()]
+    if workload == "json_256":
+        return [json.dumps({"model": MODEL, "messages": small, "max_tokens": 256}).encode()]
     long = _chat(rng, 12, 210)  # ~6k tokens over 12 turns
     if workload == "chat_6k_repeat":
         return [json.dumps({"model": MODEL, "messages": long, "max_tokens": 8}).encode()]
@@ -273,10 +280,13 @@ def _router_cmd(name: str, port: int, redis_url: str, ns: str, urls: list[str]) 
     ]
 
 
-def measure(router: Router, workload: str, bodies: list[bytes], seconds: float) -> dict[str, Any]:
-    """One round of ``workload`` on ``router``: c=64 throughput and CPU, then c=1 latency."""
+def measure(
+    router: Router, workload: str, bodies: list[bytes], seconds: float, concurrency: int = 64
+) -> dict[str, Any]:
+    """One round of ``workload`` on ``router``: throughput and CPU at ``concurrency``
+    (c=64 unless told), then c=1 latency."""
     cpu0 = router.cpu_s()
-    hot = asyncio.run(_load(router.url, bodies, 64, seconds))
+    hot = asyncio.run(_load(router.url, bodies, concurrency, seconds))
     cpu = router.cpu_s() - cpu0
     n = len(hot["latencies_ms"])
     c1 = asyncio.run(_load(router.url, bodies, 1, min(2.0, seconds)))
@@ -286,7 +296,7 @@ def measure(router: Router, workload: str, bodies: list[bytes], seconds: float) 
         "p50_ms": _pct(hot["latencies_ms"], 0.5),
         "p99_ms": _pct(hot["latencies_ms"], 0.99),
         "p50_ms_c1": _pct(c1["latencies_ms"], 0.5),
-        # Cores the router kept busy at c=64 (above 1: it used more than one).
+        # Cores the router kept busy at that concurrency (above 1: it used more than one).
         "cores_used": cpu / hot["elapsed_s"],
         "errors": hot["errors"] + c1["errors"],
     }
@@ -327,6 +337,7 @@ def run(
     workers: int,
     stream_interval: int = 1,
     baseline_tree: Path | None = None,
+    concurrency: int = 64,
 ) -> Any:
     if "kvroute_baseline" in routers and baseline_tree is None:
         raise ValueError("kvroute_baseline needs --baseline-tree")
@@ -358,10 +369,12 @@ def run(
             for w in workloads:
                 directs[w].append(_direct_p50(urls[0], bodies[w]))
                 for name, router in started.items():
-                    results[name].setdefault(w, []).append(measure(router, w, bodies[w], seconds))
+                    results[name].setdefault(w, []).append(
+                        measure(router, w, bodies[w], seconds, concurrency)
+                    )
         direct = {w: statistics.median(v) for w, v in directs.items()}
         summary = summarize(results, started, skipped, direct, workloads)
-        return {**summary, "stream_interval": stream_interval}
+        return {**summary, "stream_interval": stream_interval, "concurrency": concurrency}
     finally:
         for router in started.values():
             router.close()
@@ -479,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="per workload and round")
     parser.add_argument("--workers", type=int, default=2, help="fake workers behind each router")
     parser.add_argument(
+        "--concurrency", type=int, default=64, help="clients for the throughput and CPU figures"
+    )
+    parser.add_argument(
         "--stream-interval",
         type=int,
         default=1,
@@ -500,6 +516,12 @@ def main(argv: list[str] | None = None) -> int:
         if r not in ROUTERS:
             raise SystemExit(f"--routers: {r!r} is not one of {', '.join(ROUTERS)}")
     workloads = [w for w in args.workloads.split(",") if w]
+    for w in workloads:
+        if w not in WORKLOADS + EXTRA_WORKLOADS:
+            known = ", ".join(WORKLOADS + EXTRA_WORKLOADS)
+            raise SystemExit(f"--workloads: {w!r} is not one of {known}")
+    if args.concurrency < 1:
+        raise SystemExit(f"--concurrency {args.concurrency}: must be at least 1")
     if ("kvroute_baseline" in routers) != (args.baseline_tree is not None):
         raise SystemExit("--baseline-tree and router kvroute_baseline go together")
     if args.baseline_tree is not None and not (args.baseline_tree / "kvroute_cli.py").is_file():
@@ -512,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         args.workers,
         args.stream_interval,
         args.baseline_tree.resolve() if args.baseline_tree else None,
+        args.concurrency,
     )
     text = json.dumps(result, indent=2)
     print(text)

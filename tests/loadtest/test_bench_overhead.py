@@ -41,3 +41,14 @@ def test_the_baseline_router_needs_a_kvroute_checkout(tmp_path: Path) -> None:
     assert "kvroute_baseline" in ROUTERS
     cmd = _router_cmd("kvroute_baseline", 1, "redis://x", "ns", [])
     assert cmd == _router_cmd("kvroute", 1, "redis://x", "ns", [])
+
+
+def test_workloads_and_concurrency_are_checked_and_json_256_is_one_whole_answer() -> None:
+    with pytest.raises(SystemExit, match="is not one of"):
+        main(["--routers", "kvroute", "--workloads", "chat_tiny"])
+    with pytest.raises(SystemExit, match="--concurrency 0"):
+        main(["--routers", "kvroute", "--concurrency", "0"])
+    (body,) = make_bodies("json_256", 3, seed=1)
+    sent = json.loads(body)
+    assert (sent["max_tokens"], sent.get("stream", False)) == (256, False)
+    assert "stop" not in sent and "tools" not in sent  # an answer the gateway reads whole
