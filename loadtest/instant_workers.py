@@ -228,67 +228,54 @@ async def serve_instant_workers(
     """Runs ``workers`` gRPC fakes (registered; each caching its prompts' blocks in a
     ``FakeCache`` of ``cache_blocks``, 0: none, publishing nothing) and as many HTTP
     fakes until killed."""
-    from worker.publish.publisher import Publisher
-
-    spec = HashSpec(block_size=16, model=MODEL)
-    urls: list[str] = []
-    pubs: list[tuple[Any, Publisher]] = []
-    frames: list[FramesServer] = []
-    runners: list[web.AppRunner] = []
+    fakes = _Fakes()
     try:
-        await _start_fakes(
-            workers,
-            redis_url,
-            namespace,
-            stream_interval,
-            cache_blocks,
-            spec,
-            urls,
-            pubs,
-            frames,
-            runners,
-        )
-        while not all(p.synced for _, p in pubs):
+        for i in range(workers):
+            await fakes.add(f"fake-{i}", redis_url, namespace, stream_interval, cache_blocks)
+        while not all(p.synced for p in fakes.publishers):
             await asyncio.sleep(0.05)
-        ready.write_text(json.dumps(urls))
+        ready.write_text(json.dumps(fakes.urls))
         await asyncio.Event().wait()
     finally:  # cancelled (in a test; a benchmark kills the process)
-        for server, pub in pubs:
-            await pub.stop()
-            await server.stop(0)
-        for f in frames:
-            await f.stop(0)
-        for r in runners:
-            await r.cleanup()
+        await fakes.close()
 
 
-async def _start_fakes(
-    workers: int,
-    redis_url: str,
-    namespace: str,
-    stream_interval: int,
-    cache_blocks: int,
-    spec: HashSpec,
-    urls: list[str],
-    pubs: list[tuple[Any, Any]],
-    frames: list[FramesServer],
-    runners: list[web.AppRunner],
-) -> None:
-    from worker.publish.publisher import Publisher, PublisherConfig
+class _Fakes:
+    """The servers ``serve_instant_workers`` started, to stop them when it is cancelled."""
 
-    for i in range(workers):
-        server = grpc.aio.server()
+    def __init__(self) -> None:
+        self.urls: list[str] = []  # the HTTP fakes'
+        self.publishers: list[Any] = []
+        self._grpc: list[Any] = []
+        self._frames: list[FramesServer] = []
+        self._runners: list[web.AppRunner] = []
+
+    async def add(
+        self,
+        worker_id: str,
+        redis_url: str,
+        namespace: str,
+        stream_interval: int,
+        cache_blocks: int,
+    ) -> None:
+        """One gRPC fake (with its frames port, registered by a ``Publisher``) and one
+        HTTP fake."""
+        from worker.publish.publisher import Publisher, PublisherConfig
+
+        spec = HashSpec(block_size=16, model=MODEL)
         events = EventQueue()
         cache = FakeCache(spec, events, cache_blocks) if cache_blocks else None
-        servicer = _InstantGrpc(f"fake-{i}", stream_interval, cache)
+        servicer = _InstantGrpc(worker_id, stream_interval, cache)
+        server = grpc.aio.server()
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
+        self._grpc.append(server)
         # The same stream on a frames port, as a worker started with --frames-port.
-        frames.append(FramesServer(servicer))
-        frames_port = await frames[-1].start("127.0.0.1", 0)
+        self._frames.append(FramesServer(servicer))
+        frames_port = await self._frames[-1].start("127.0.0.1", 0)
         record = WorkerRecord(
-            worker_id=f"fake-{i}",
+            worker_id=worker_id,
             address=f"127.0.0.1:{port}",
             frames_address=f"127.0.0.1:{frames_port}",
             prompt_encoding=PROMPT_LE32,
@@ -301,14 +288,24 @@ async def _start_fakes(
         pub = Publisher(
             cache if cache is not None else FakeEngine(set()),
             events,
-            PublisherConfig(redis_url, f"fake-{i}", namespace, heartbeat_ttl=30.0),
+            PublisherConfig(redis_url, worker_id, namespace, heartbeat_ttl=30.0),
             record,
         )
         await pub.start()
-        pubs.append((server, pub))
+        self.publishers.append(pub)
         runner = web.AppRunner(_openai_app(stream_interval), access_log=None)
-        runners.append(runner)
+        self._runners.append(runner)
         await runner.setup()
         http_port = free_port()
         await web.TCPSite(runner, "127.0.0.1", http_port).start()
-        urls.append(f"http://127.0.0.1:{http_port}")
+        self.urls.append(f"http://127.0.0.1:{http_port}")
+
+    async def close(self) -> None:
+        for pub in self.publishers:
+            await pub.stop()
+        for server in self._grpc:
+            await server.stop(0)
+        for f in self._frames:
+            await f.stop(0)
+        for r in self._runners:
+            await r.cleanup()
