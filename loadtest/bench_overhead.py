@@ -13,7 +13,11 @@ the peers talk OpenAI HTTP to theirs. The peers are the Rust binaries from PyPI
 worker's one gRPC ``GenerateMany`` stream) and ``kvroute_generate`` with
 ``--grpc-mux false`` too (one ``Generate`` call per request);
 ``kvroute_cpu_vs_grpc`` and ``kvroute_cpu_vs_generate`` are the ratios of
-their CPU per request. ``kvroute_2proc`` is ``kvroute`` with ``--processes 2``
+their CPU per request. ``kvroute_http`` is the gateway in front of the same
+fakes as vLLM workers (``openai-http`` records: streamed ``/v1/completions``
+with token ids, one SSE event per token and the prompt's ids echoed first,
+as vLLM 0.32 sends them), the transport of a vLLM fleet;
+``kvroute_cpu_vs_http`` is that ratio. ``kvroute_2proc`` is ``kvroute`` with ``--processes 2``
 (two processes on one port, one block index; CPU counts both);
 ``kvroute_2proc_rps_vs_1`` is its ``chat_small`` throughput over ``kvroute``'s.
 ``kvroute_baseline`` is ``kvroute`` run from another checkout
@@ -69,13 +73,14 @@ import psutil
 
 from loadtest.bench_peers import PeersConfig, ensure_peer_venv
 from loadtest.fleet import free_port
-from loadtest.instant_workers import MODEL
+from loadtest.instant_workers import MODEL, http_namespace
 from loadtest.scale_redis import PrivateRedis
 from loadtest.words import WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTERS = (
     "kvroute",
+    "kvroute_http",
     "kvroute_2proc",
     "kvroute_grpc",
     "kvroute_generate",
@@ -247,6 +252,8 @@ def _router_cmd(name: str, port: int, redis_url: str, ns: str, urls: list[str]) 
     if name == "kvroute_baseline":  # the same gateway, from --baseline-tree
         name = "kvroute"
     if name.startswith("kvroute"):
+        if name == "kvroute_http":  # the same fakes as vLLM workers: OpenAI HTTP, no gRPC
+            ns = http_namespace(ns)
         return [
             *(sys.executable, "-m", "kvroute_cli", "gateway", "--model", "smollm2"),
             *("--served-model-name", MODEL, "--redis-url", redis_url, "--redis-namespace", ns),
@@ -460,6 +467,8 @@ def summarize(
         # The transport's share, measured in the same run: the frames port over the gRPC
         # stream, and over one Generate call per request.
         "kvroute_cpu_vs_grpc": cpu_ratio(out.get("kvroute_grpc", {})),
+        # Frames to kvroute workers over OpenAI HTTP to vLLM-shaped ones, same run.
+        "kvroute_cpu_vs_http": cpu_ratio(out.get("kvroute_http", {})),
         "kvroute_cpu_vs_generate": cpu_ratio(out.get("kvroute_generate", {})),
         # This checkout against --baseline-tree's, same run.
         "kvroute_cpu_vs_baseline": cpu_ratio(out.get("kvroute_baseline", {})),

@@ -20,6 +20,12 @@ HTTP/2 window holds thousands of these ~15-byte messages. An engine that
 keeps up sends one message per step, which is what these fakes send; they
 do not invent a step time to merge on. The HTTP fakes send one SSE event
 per message alike, so the peers get the same number of events per token.
+
+The HTTP fakes also answer vLLM's ``/v1/completions`` as kvroute's gateway
+calls a vLLM worker (token ids in, ``return_token_ids``, every field vLLM
+0.32 writes in each event, the prompt's ids echoed in the first), each with
+a cache of its own, registered as an ``openai-http`` worker in the namespace
+``http_namespace`` names: a gateway there routes as it would to a vLLM fleet.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from contract import worker_pb2_grpc
 from contract.events import BlockRemoved, BlockStored, KVEvent
 from contract.hashing import HashSpec, block_hashes
 from contract.prompt_wire import PROMPT_LE32, prompt_ids, prompt_length
-from contract.redis_layout import WorkerRecord
+from contract.redis_layout import TRANSPORT_OPENAI_HTTP, WorkerRecord
 from loadtest.fleet import free_port
 from loadtest.scale_redis import FakeEngine
 from worker.publish.event_queue import EventQueue
@@ -51,6 +57,11 @@ MODEL = "bench"
 # Blocks each fake caches (16 tokens each: 1M tokens, a GPU worker's KV cache for an
 # 8B model): a repeated chat stays cached, a stream of cold 6k-token ones evicts.
 CACHE_BLOCKS = 65_536
+
+
+def http_namespace(namespace: str) -> str:
+    """Where the HTTP fakes are registered as openai-http workers (vLLM's transport)."""
+    return f"{namespace}-http"
 
 
 def message_sizes(n: int, stream_interval: int) -> list[int]:
@@ -164,8 +175,83 @@ class _InstantGrpc(GenerateManyMixin, worker_pb2_grpc.WorkerServicer):
         return pb.HealthResponse(serving=True)
 
 
-def _openai_app(stream_interval: int = 1) -> web.Application:
-    """The OpenAI HTTP shape the peers forward to, answered at once."""
+def _completion_chunk(created: int, **choice: Any) -> bytes:
+    """One SSE event of vLLM's ``/v1/completions`` stream, every field it writes."""
+    full = {
+        "index": 0,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": None,
+        "stop_reason": None,
+        "token_ids": None,
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        **choice,
+    }
+    chunk = {
+        "id": "cmpl-x",
+        "object": "text_completion",
+        "created": created,
+        "model": MODEL,
+        "choices": [full],
+        "usage": None,
+    }
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _completions(
+    request: web.Request, stream_interval: int, cache: FakeCache | None
+) -> web.StreamResponse:
+    """vLLM's ``/v1/completions`` as kvroute's gateway calls it (``prompt`` as token ids,
+    streamed, ``return_token_ids``, usage at the end): the first event echoes the
+    prompt's ids, as vLLM 0.32 does, so a router pays for reading them."""
+    body = await request.json()
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+        return web.json_response(
+            {"error": {"message": "prompt: token ids", "code": 400}}, status=400
+        )
+    if not body.get("stream") or not body.get("return_token_ids"):
+        return web.json_response({"error": {"message": "stream only", "code": 400}}, status=400)
+    n = max(1, int(body.get("max_tokens") or 16))
+    created = int(time.time())
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    sizes = message_sizes(n, stream_interval)
+    cached = 0
+    sent = 0
+    for k, size in enumerate(sizes):
+        ids = [1000 + (sent + i) % 500 for i in range(size)]
+        sent += size
+        last = k == len(sizes) - 1
+        await resp.write(
+            _completion_chunk(
+                created,
+                text=" a" * size,
+                token_ids=ids,
+                prompt_token_ids=prompt if k == 0 else None,
+                finish_reason="length" if last else None,
+            )
+        )
+        if k == 0 and cache is not None:  # stored once its prefill ran, as the gRPC fake does
+            cached = cache.serve(prompt, str(body.get("cache_salt") or ""))
+    usage: dict[str, Any] = {
+        "prompt_tokens": len(prompt),
+        "total_tokens": len(prompt) + n,
+        "completion_tokens": n,
+    }
+    if cached:  # vLLM with --enable-prompt-tokens-details
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    final = {"id": "cmpl-x", "object": "text_completion", "created": created, "model": MODEL}
+    final.update(choices=[], usage=usage)
+    await resp.write(b"data: " + json.dumps(final, separators=(",", ":")).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+def _openai_app(stream_interval: int = 1, cache: FakeCache | None = None) -> web.Application:
+    """The OpenAI HTTP shape the peers forward to, answered at once; and vLLM's
+    ``/v1/completions`` for kvroute's gateway (its blocks cached in ``cache``)."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -209,8 +295,12 @@ def _openai_app(stream_interval: int = 1) -> web.Application:
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await _completions(request, stream_interval, cache)
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     for path in ("/health", "/health_generate", "/get_server_info", "/get_model_info"):
         app.router.add_get(path, ok)
@@ -293,12 +383,38 @@ class _Fakes:
         )
         await pub.start()
         self.publishers.append(pub)
-        runner = web.AppRunner(_openai_app(stream_interval), access_log=None)
+        # The HTTP fake: the peers' worker, and an openai-http worker (vLLM's shape) for
+        # kvroute's gateway in the namespace beside (``http_namespace``), with its own cache.
+        http_events = EventQueue()
+        http_cache = FakeCache(spec, http_events, cache_blocks) if cache_blocks else None
+        runner = web.AppRunner(_openai_app(stream_interval, http_cache), access_log=None)
         self._runners.append(runner)
         await runner.setup()
         http_port = free_port()
         await web.TCPSite(runner, "127.0.0.1", http_port).start()
-        self.urls.append(f"http://127.0.0.1:{http_port}")
+        url = f"http://127.0.0.1:{http_port}"
+        self.urls.append(url)
+        http_record = WorkerRecord(
+            worker_id=f"{worker_id}-http",
+            address=url,
+            transport=TRANSPORT_OPENAI_HTTP,
+            http_url=url,
+            model=MODEL,
+            hash_spec=spec.describe(),
+            block_size=16,
+            max_model_len=32768,
+            prefill_tokens_per_s=10_000.0,
+        )
+        http_pub = Publisher(
+            http_cache if http_cache is not None else FakeEngine(set()),
+            http_events,
+            PublisherConfig(
+                redis_url, f"{worker_id}-http", http_namespace(namespace), heartbeat_ttl=30.0
+            ),
+            http_record,
+        )
+        await http_pub.start()
+        self.publishers.append(http_pub)
 
     async def close(self) -> None:
         for pub in self.publishers:

@@ -139,3 +139,36 @@ async def test_a_gateway_mirror_holds_what_the_fakes_cached(redis_url: str) -> N
             if keys:
                 await client.delete(*keys)
             await client.aclose()
+
+
+async def test_http_fake_answers_the_gateway_as_a_vllm_worker() -> None:
+    # kvroute's own openai-http upstream against the fake's /v1/completions: vLLM's
+    # stream (the prompt's ids echoed first, one event per token, usage last), and the
+    # prompt cached by the second call, as vLLM's prefix cache would have it.
+    from contract.hashing import HashSpec
+    from gateway.upstream.base import Generation
+    from gateway.upstream.openai_http import OpenAIHTTPUpstream
+    from loadtest.instant_workers import MODEL, FakeCache
+    from worker.publish.event_queue import EventQueue
+
+    cache = FakeCache(HashSpec(block_size=16, model=MODEL), EventQueue(), capacity=64)
+    server = TestServer(_openai_app(1, cache))
+    await server.start_server()
+    up = OpenAIHTTPUpstream()
+    gen = Generation("r", list(range(100, 180)), 5, 0.0, 1.0, 0, None, True, (), "")
+    try:
+        for expected_cached in (0, 80):
+            call = up.start("f", f"127.0.0.1:{server.port}", gen, 10.0)
+            chunks = []
+            while (c := await call.read()) is not None:
+                chunks.append(c)
+            assert [t for c in chunks for t in c.token_ids] == [1000, 1001, 1002, 1003, 1004]
+            assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+            assert chunks[-1].cached_tokens == expected_cached
+        resp = await up.session().post(
+            f"http://127.0.0.1:{server.port}/v1/completions", json={"prompt": "text"}
+        )
+        assert resp.status == 400  # only token ids, as the gateway sends them
+    finally:
+        await up.close()
+        await server.close()
