@@ -79,7 +79,8 @@ class FakeWorker:
                 if item == "cut":
                     return resp  # ends the stream without [DONE] or a finish
                 data = item if isinstance(item, str) else json.dumps(item)
-                await resp.write(f"data: {data}\n\n".encode())
+                end = "\r\n\r\n" if isinstance(item, dict) and item.get("crlf") else "\n\n"
+                await resp.write(f"data: {data}{end}".encode())
         except (ConnectionResetError, asyncio.CancelledError):
             self.closed_early.set()
             raise
@@ -123,16 +124,63 @@ async def test_stream_maps_tokens_finish_and_cached_tokens(worker: tuple[FakeWor
     fake, address = worker
     usage = json.loads(json.dumps(USAGE))
     usage["usage"]["prompt_tokens_details"]["cached_tokens"] = 32
-    fake.script = [_chunk([5]), _chunk([]), _chunk([6, 7]), _chunk([8], "length"), usage, "[DONE]"]
+    script = [_chunk([5]), _chunk([]), _chunk([6, 7]), _chunk([8], "length"), usage, "[DONE]"]
+    # A pause after each event: every event is its own chunk.
+    fake.script = [x for item in script for x in (item, "pause")]
     up = OpenAIHTTPUpstream()
     chunks = await _all(up, address)
-    await up.close()
     assert chunks == [
         Chunk([5]),
         Chunk([6, 7]),
         Chunk([8], finished=True, finish_reason="length", cached_tokens=32),
     ]
     assert fake.bodies[0]["prompt"] == [1, 2, 3]
+    # Events that arrive together are read as one chunk (the finish with what came before).
+    fake.script = script
+    assert await _all(up, address) == [
+        Chunk([5, 6, 7, 8], finished=True, finish_reason="length", cached_tokens=32)
+    ]
+    await up.close()
+
+
+async def test_events_that_piled_up_are_one_chunk_and_the_prompt_echo_is_ignored(
+    worker: tuple[FakeWorker, str],
+) -> None:
+    # vLLM 0.32 echoes the prompt's ids in the first event of a return_token_ids stream;
+    # a slow reader finds several token events waiting and relays them at once.
+    fake, address = worker
+    first = _chunk([5])
+    first["choices"][0]["prompt_token_ids"] = list(range(6000))
+    lp = {"token_logprobs": [-0.5], "top_logprobs": [{"token_id:6": -0.5}]}
+    six, seven = _chunk([6]), _chunk([7], "stop")
+    six["choices"][0]["logprobs"] = lp
+    seven["choices"][0]["logprobs"] = {"token_logprobs": [-0.25], "top_logprobs": [None]}
+    fake.script = [first, "pause", six, seven, USAGE, "[DONE]"]
+    up = OpenAIHTTPUpstream()
+    call = up.start("w", address, GEN, 10.0)
+    assert await call.read() == Chunk([5])
+    await asyncio.sleep(0.4)  # everything after the pause has arrived
+    last = await call.read()
+    assert last is not None and list(last.token_ids) == [6, 7] and last.finished
+    assert last.cached_tokens == 0 and last.finish_reason == "stop"
+    assert [(t.token_id, t.logprob) for t in last.logprobs] == [(6, -0.5), (7, -0.25)]
+    assert await call.read() is None
+    await up.close()
+
+
+async def test_crlf_lines_and_an_error_after_tokens(worker: tuple[FakeWorker, str]) -> None:
+    # Another server's CRLF line ends read as LF; an error event behind tokens that came
+    # with it is raised after those tokens.
+    fake, address = worker
+    fake.script = [_chunk([5]) | {"crlf": True}, "pause", _chunk([6]), '{"error": "boom"}']
+    up = OpenAIHTTPUpstream()
+    call = up.start("w", address, GEN, 10.0)
+    assert await call.read() == Chunk([5])
+    await asyncio.sleep(0.4)
+    assert await call.read() == Chunk([6])
+    with pytest.raises(UpstreamError, match="boom"):
+        await call.read()
+    await up.close()
 
 
 async def test_unknown_finish_reasons_become_stop(worker: tuple[FakeWorker, str]) -> None:
@@ -223,3 +271,23 @@ async def test_a_finished_stream_leaves_its_connection_for_the_next(
         assert (await _all(up, address))[-1].finished
     await up.close()
     assert len(fake.bodies) == 3 and len(fake.peers) == 1
+
+
+async def test_the_response_is_read_to_its_end_so_its_connection_is_reused(
+    worker: tuple[FakeWorker, str],
+) -> None:
+    # The usage ends the answer, but [DONE] and the response's end come a moment later:
+    # the call waits for them, so the next request does not open a new connection ...
+    fake, address = worker
+    fake.script = [_chunk([5], "stop"), USAGE, "pause", "[DONE]"]
+    up = OpenAIHTTPUpstream()
+    for _ in range(2):
+        assert (await _all(up, address)) == [Chunk([5], True, "stop", 0)]
+    assert len(fake.bodies) == 2 and len(fake.peers) == 1
+    # ... and a timeout during that wait keeps the answer for the next read.
+    call = up.start("w", address, GEN, 10.0)
+    with pytest.raises(TimeoutError):
+        await call.read_within(0.1)
+    assert await call.read() == Chunk([5], True, "stop", 0)
+    assert await call.read() is None
+    await up.close()
