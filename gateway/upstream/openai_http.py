@@ -76,6 +76,22 @@ def completion_body(g: Generation) -> dict[str, Any]:
     return body
 
 
+_ECHO = b'"prompt_token_ids":['
+
+
+def _without_prompt_echo(data: bytes) -> bytes:
+    """An SSE event without the prompt's ids that vLLM echoes in the first event of a
+    ``return_token_ids`` stream: the gateway sent them, and a 6k-token prompt's are
+    30 kB to parse for nothing (a list of ints holds no ``]`` before its end)."""
+    start = data.find(_ECHO)
+    if start < 0:
+        return data
+    end = data.find(b"]", start)
+    if end < 0:
+        return data
+    return data[:start] + b'"prompt_token_ids":null' + data[end + 1 :]
+
+
 def _token_id(text: str) -> int | None:
     head, _, tail = text.partition(":")
     return int(tail) if head == "token_id" and tail.isdigit() else None
@@ -230,7 +246,7 @@ class _HttpCall:
         if data == b"[DONE]":
             return True
         try:
-            msg = orjson.loads(data)
+            msg = orjson.loads(_without_prompt_echo(data))
         except orjson.JSONDecodeError:
             logger.warning("worker %s sent an undecodable SSE line: %r", self._url, data[:200])
             return False

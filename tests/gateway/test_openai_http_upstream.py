@@ -291,3 +291,15 @@ async def test_the_response_is_read_to_its_end_so_its_connection_is_reused(
     assert await call.read() == Chunk([5], True, "stop", 0)
     assert await call.read() is None
     await up.close()
+
+
+def test_the_prompt_echo_is_cut_before_parsing() -> None:
+    # vLLM's compact JSON; the token ids after the echo survive, other events are untouched.
+    from gateway.upstream.openai_http import _without_prompt_echo
+
+    event = {"choices": [{"index": 0, "prompt_token_ids": list(range(6000)), "token_ids": [7]}]}
+    raw = json.dumps(event, separators=(",", ":")).encode()
+    cut = json.loads(_without_prompt_echo(raw))
+    assert cut["choices"][0] == {"index": 0, "prompt_token_ids": None, "token_ids": [7]}
+    other = json.dumps(_chunk([5]), separators=(",", ":")).encode()
+    assert _without_prompt_echo(other) == other
