@@ -23,7 +23,8 @@ as vLLM 0.32 sends them), the transport of a vLLM fleet;
 ``kvroute_baseline`` is ``kvroute`` run from another checkout
 (``--baseline-tree``: a ``git worktree`` of an earlier commit), so a change is
 measured against the build before it in the same run, round by round;
-``kvroute_cpu_vs_baseline`` is the ratio. Rounds interleave the routers (A/B/A/B), and every figure is
+``kvroute_cpu_vs_baseline`` is the ratio (``kvroute_http_baseline`` and
+``kvroute_http_cpu_vs_baseline`` the same in front of the vLLM-shaped fakes). Rounds interleave the routers (A/B/A/B), and every figure is
 the median over rounds. The peers do not tokenize; kvroute does. The fakes
 are ``loadtest.instant_workers``: one message (gRPC) or SSE event (HTTP) per
 token, as a worker sends them when it keeps up, and kvroute's publish the
@@ -85,6 +86,7 @@ ROUTERS = (
     "kvroute_grpc",
     "kvroute_generate",
     "kvroute_baseline",
+    "kvroute_http_baseline",
     "sglang_rr",
     "sglang_cache_aware",
     "vllm_rr",
@@ -249,8 +251,7 @@ class Router:
 
 
 def _router_cmd(name: str, port: int, redis_url: str, ns: str, urls: list[str]) -> list[str]:
-    if name == "kvroute_baseline":  # the same gateway, from --baseline-tree
-        name = "kvroute"
+    name = name.removesuffix("_baseline")  # the same gateway, from --baseline-tree
     if name.startswith("kvroute"):
         if name == "kvroute_http":  # the same fakes as vLLM workers: OpenAI HTTP, no gRPC
             ns = http_namespace(ns)
@@ -346,8 +347,8 @@ def run(
     baseline_tree: Path | None = None,
     concurrency: int = 64,
 ) -> Any:
-    if "kvroute_baseline" in routers and baseline_tree is None:
-        raise ValueError("kvroute_baseline needs --baseline-tree")
+    if any(r.endswith("_baseline") for r in routers) and baseline_tree is None:
+        raise ValueError("a *_baseline router needs --baseline-tree")
     redis = PrivateRedis()
     tmp = Path(tempfile.mkdtemp(prefix="kvroute-overhead-"))
     ns = "overhead"
@@ -362,7 +363,7 @@ def run(
             try:
                 port = free_port()
                 cmd = _router_cmd(name, port, redis.url, ns, urls)
-                tree = baseline_tree if name == "kvroute_baseline" and baseline_tree else ROOT
+                tree = baseline_tree if name.endswith("_baseline") and baseline_tree else ROOT
                 router = Router(name, cmd, port, tmp / f"{name}.log", tree)
                 router.wait_ready(bodies[workloads[0]][0])
                 started[name] = router
@@ -436,12 +437,12 @@ def summarize(
                 per[w]["rps_vs_sglang_rr"] = None
     kv = out.get("kvroute", {})
 
-    def cpu_ratio(other: dict[str, Any]) -> dict[str, float]:
-        """kvroute's CPU per request over ``other``'s, per workload of this run."""
+    def cpu_ratio(other: dict[str, Any], this: dict[str, Any] = kv) -> dict[str, float]:
+        """``this`` router's (kvroute's) CPU per request over ``other``'s, per workload."""
         return {
-            w: round(kv[w]["cpu_ms_per_request"] / other[w]["cpu_ms_per_request"], 3)
+            w: round(this[w]["cpu_ms_per_request"] / other[w]["cpu_ms_per_request"], 3)
             for w in workloads
-            if w in kv and w in other and other[w]["cpu_ms_per_request"]
+            if w in this and w in other and other[w]["cpu_ms_per_request"]
         }
 
     targets = {
@@ -472,6 +473,9 @@ def summarize(
         "kvroute_cpu_vs_generate": cpu_ratio(out.get("kvroute_generate", {})),
         # This checkout against --baseline-tree's, same run.
         "kvroute_cpu_vs_baseline": cpu_ratio(out.get("kvroute_baseline", {})),
+        "kvroute_http_cpu_vs_baseline": cpu_ratio(
+            out.get("kvroute_http_baseline", {}), out.get("kvroute_http", {})
+        ),
         # Two processes on one port against one, same run: what a second core buys.
         "kvroute_2proc_rps_vs_1": _ratio(
             out.get("kvroute_2proc", {}).get("chat_small", {}).get("max_rps"),
@@ -494,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m loadtest.bench_overhead", description=__doc__.splitlines()[0]
     )
     parser.add_argument(
-        "--routers", default=",".join(r for r in ROUTERS if r != "kvroute_baseline")
+        "--routers", default=",".join(r for r in ROUTERS if not r.endswith("_baseline"))
     )
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=2)
@@ -514,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=None,
         help="another kvroute checkout (e.g. a git worktree of an earlier commit) that "
-        "router kvroute_baseline runs from",
+        "the *_baseline routers run from",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -531,8 +535,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--workloads: {w!r} is not one of {known}")
     if args.concurrency < 1:
         raise SystemExit(f"--concurrency {args.concurrency}: must be at least 1")
-    if ("kvroute_baseline" in routers) != (args.baseline_tree is not None):
-        raise SystemExit("--baseline-tree and router kvroute_baseline go together")
+    if any(r.endswith("_baseline") for r in routers) != (args.baseline_tree is not None):
+        raise SystemExit("--baseline-tree and a *_baseline router go together")
     if args.baseline_tree is not None and not (args.baseline_tree / "kvroute_cli.py").is_file():
         raise SystemExit(f"--baseline-tree {args.baseline_tree}: not a kvroute checkout")
     result = run(

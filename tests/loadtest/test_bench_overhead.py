@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.bench_overhead import ROOT, ROUTERS, _router_cmd, _sendable, main, make_bodies
+from loadtest.instant_workers import http_namespace
 
 
 def _system(body: bytes) -> str:
@@ -41,6 +42,12 @@ def test_the_baseline_router_needs_a_kvroute_checkout(tmp_path: Path) -> None:
     assert "kvroute_baseline" in ROUTERS
     cmd = _router_cmd("kvroute_baseline", 1, "redis://x", "ns", [])
     assert cmd == _router_cmd("kvroute", 1, "redis://x", "ns", [])
+    with pytest.raises(SystemExit, match="go together"):
+        main(["--routers", "kvroute_http,kvroute_http_baseline"])
+    # The vLLM-shaped fakes' gateway (and its baseline) routes in their own namespace.
+    http = _router_cmd("kvroute_http_baseline", 1, "redis://x", "ns", [])
+    assert http == _router_cmd("kvroute_http", 1, "redis://x", "ns", [])
+    assert http[http.index("--redis-namespace") + 1] == http_namespace("ns") != "ns"
 
 
 def test_workloads_and_concurrency_are_checked_and_json_256_is_one_whole_answer() -> None:
