@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 
 from loadtest.client import ClientConfig, RequestResult, send_one
-from loadtest.fleet import Fleet, FleetConfig
+from loadtest.fleet import Fleet, FleetConfig, sigterm_as_ctrl_c
 from loadtest.fleet_probe import counters_delta, served_model, warm_up, worker_counters
 from loadtest.fleet_summary import acceptance, jsonable, summarize, unscale
 from loadtest.workloads import ChatConfig, Conversation, chat_workload
@@ -313,7 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"bench_fleet: {exc}", file=sys.stderr)
         return 2
-    result = run(cfg, progress=not args.no_progress)
+    with sigterm_as_ctrl_c():
+        result = run(cfg, progress=not args.no_progress)
     if args.plot:
         from loadtest.plots import plot_per_turn
 

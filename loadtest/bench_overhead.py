@@ -73,7 +73,7 @@ import aiohttp
 import psutil
 
 from loadtest.bench_peers import PeersConfig, ensure_peer_venv
-from loadtest.fleet import free_port
+from loadtest.fleet import free_port, sigterm_as_ctrl_c
 from loadtest.instant_workers import MODEL, http_namespace
 from loadtest.scale_redis import PrivateRedis
 from loadtest.words import WORDS
@@ -539,16 +539,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--baseline-tree and a *_baseline router go together")
     if args.baseline_tree is not None and not (args.baseline_tree / "kvroute_cli.py").is_file():
         raise SystemExit(f"--baseline-tree {args.baseline_tree}: not a kvroute checkout")
-    result = run(
-        routers,
-        workloads,
-        args.rounds,
-        args.seconds,
-        args.workers,
-        args.stream_interval,
-        args.baseline_tree.resolve() if args.baseline_tree else None,
-        args.concurrency,
-    )
+    with sigterm_as_ctrl_c():
+        result = run(
+            routers,
+            workloads,
+            args.rounds,
+            args.seconds,
+            args.workers,
+            args.stream_interval,
+            args.baseline_tree.resolve() if args.baseline_tree else None,
+            args.concurrency,
+        )
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:

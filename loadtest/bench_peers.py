@@ -48,7 +48,7 @@ from loadtest.bench_fleet import (
     torch_threads,
 )
 from loadtest.client import RequestResult
-from loadtest.fleet import Fleet, free_port
+from loadtest.fleet import Fleet, free_port, sigterm_as_ctrl_c
 from loadtest.fleet_summary import jsonable
 
 logger = logging.getLogger(__name__)
@@ -302,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_matrix_flags(p)
     args = p.parse_args(argv)
     if args.engine == "emulated":
-        return main_emulated(args, argv)
+        with sigterm_as_ctrl_c():
+            return main_emulated(args, argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = fleet_config_from_args(args, from_turn=min(3, args.turns))
@@ -315,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"bench_peers: {exc}", file=sys.stderr)
         return 2
-    result = run(cfg, pcfg, progress=not args.no_progress)
+    with sigterm_as_ctrl_c():
+        result = run(cfg, pcfg, progress=not args.no_progress)
     print(json.dumps(jsonable(result), indent=None if args.json else 2, default=str))
     return 0 if all("error" not in r for r in result["routers"].values()) else 1
 

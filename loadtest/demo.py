@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from loadtest.fleet import Fleet, FleetConfig
+from loadtest.fleet import Fleet, FleetConfig, sigterm_as_ctrl_c
 
 SYSTEM = (
     "You are kvroute's demo assistant. Answer briefly and precisely. You help engineers who run "
@@ -136,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--exit", action="store_true", help="stop right after the conversations")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     config = FleetConfig(
         model=args.model,
         workers=args.workers,
@@ -150,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     try:
-        return run(config, args.exit)
+        with sigterm_as_ctrl_c():  # `docker stop` or `kill` stops the fleet as Ctrl-C does
+            return run(config, args.exit)
     except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return 1

@@ -22,6 +22,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,18 @@ from contract.redis_url import redact
 from loadtest.child_logs import ChildLog, echo_target
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def sigterm_as_ctrl_c() -> Iterator[None]:
+    """Within it SIGTERM ends a benchmark as Ctrl-C does, so that its ``finally`` blocks
+    stop the workers, gateways and Redis it started (killed by SIGTERM, a benchmark left
+    them all running). Main thread only, as every signal handler."""
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 _PORT_RETRIES = 3

@@ -1,0 +1,62 @@
+"""A benchmark killed with SIGTERM stops what it started, as Ctrl-C makes it do."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from loadtest.fleet import sigterm_as_ctrl_c
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A stand-in for a benchmark: a child process it must stop in a ``finally`` block.
+_BENCH = """
+import subprocess, sys, time
+from loadtest.fleet import sigterm_as_ctrl_c
+child = subprocess.Popen(["sleep", "60"])
+print(child.pid, flush=True)
+try:
+    with sigterm_as_ctrl_c():
+        time.sleep(60)
+finally:
+    child.kill()
+    child.wait()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_sigterm_runs_the_benchmarks_finally_blocks() -> None:
+    bench = subprocess.Popen(
+        [sys.executable, "-c", _BENCH], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    assert bench.stdout is not None
+    child = int(bench.stdout.readline())
+    assert _alive(child)
+    try:
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(10)
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)  # without the handler it outlives the benchmark
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_the_previous_handler_comes_back() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with sigterm_as_ctrl_c():
+        assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) == before
