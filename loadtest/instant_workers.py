@@ -34,6 +34,7 @@ import asyncio
 import json
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -348,9 +349,7 @@ class _Fakes:
         stream_interval: int,
         cache_blocks: int,
     ) -> None:
-        """One gRPC fake (with its frames port, registered by a ``Publisher``) and one
-        HTTP fake."""
-        from worker.publish.publisher import Publisher, PublisherConfig
+        """One gRPC fake (with its frames port) and one HTTP fake, each registered."""
 
         spec = HashSpec(block_size=16, model=MODEL)
         events = EventQueue()
@@ -364,25 +363,12 @@ class _Fakes:
         # The same stream on a frames port, as a worker started with --frames-port.
         self._frames.append(FramesServer(servicer))
         frames_port = await self._frames[-1].start("127.0.0.1", 0)
-        record = WorkerRecord(
-            worker_id=worker_id,
-            address=f"127.0.0.1:{port}",
+        grpc_record = replace(
+            self._record(worker_id, spec, f"127.0.0.1:{port}"),
             frames_address=f"127.0.0.1:{frames_port}",
             prompt_encoding=PROMPT_LE32,
-            model=MODEL,
-            hash_spec=spec.describe(),
-            block_size=16,
-            max_model_len=32768,
-            prefill_tokens_per_s=10_000.0,
         )
-        pub = Publisher(
-            cache if cache is not None else FakeEngine(set()),
-            events,
-            PublisherConfig(redis_url, worker_id, namespace, heartbeat_ttl=30.0),
-            record,
-        )
-        await pub.start()
-        self.publishers.append(pub)
+        await self._register(grpc_record, namespace, redis_url, cache, events)
         # The HTTP fake: the peers' worker, and an openai-http worker (vLLM's shape) for
         # kvroute's gateway in the namespace beside (``http_namespace``), with its own cache.
         http_events = EventQueue()
@@ -394,27 +380,47 @@ class _Fakes:
         await web.TCPSite(runner, "127.0.0.1", http_port).start()
         url = f"http://127.0.0.1:{http_port}"
         self.urls.append(url)
-        http_record = WorkerRecord(
-            worker_id=f"{worker_id}-http",
-            address=url,
+        http_record = replace(
+            self._record(f"{worker_id}-http", spec, url),
             transport=TRANSPORT_OPENAI_HTTP,
             http_url=url,
+        )
+        await self._register(
+            http_record, http_namespace(namespace), redis_url, http_cache, http_events
+        )
+
+    @staticmethod
+    def _record(worker_id: str, spec: HashSpec, address: str) -> WorkerRecord:
+        return WorkerRecord(
+            worker_id=worker_id,
+            address=address,
             model=MODEL,
             hash_spec=spec.describe(),
             block_size=16,
             max_model_len=32768,
             prefill_tokens_per_s=10_000.0,
         )
-        http_pub = Publisher(
-            http_cache if http_cache is not None else FakeEngine(set()),
-            http_events,
-            PublisherConfig(
-                redis_url, f"{worker_id}-http", http_namespace(namespace), heartbeat_ttl=30.0
-            ),
-            http_record,
+
+    async def _register(
+        self,
+        record: WorkerRecord,
+        namespace: str,
+        redis_url: str,
+        cache: FakeCache | None,
+        events: EventQueue,
+    ) -> None:
+        """A real ``Publisher`` for one fake: its record, its heartbeat and, with a
+        cache, its block events."""
+        from worker.publish.publisher import Publisher, PublisherConfig
+
+        pub = Publisher(
+            cache if cache is not None else FakeEngine(set()),
+            events,
+            PublisherConfig(redis_url, record.worker_id, namespace, heartbeat_ttl=30.0),
+            record,
         )
-        await http_pub.start()
-        self.publishers.append(http_pub)
+        await pub.start()
+        self.publishers.append(pub)
 
     async def close(self) -> None:
         for pub in self.publishers:
