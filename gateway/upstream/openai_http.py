@@ -15,7 +15,6 @@ retryable (another worker may serve it); 400 is the client's; a timeout is
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from typing import Any
@@ -31,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 _JSON = {"Content-Type": "application/json"}
-# At most this long, after an answer's end, for the rest of its response to arrive.
+# At most this long, after an answer's end, for the rest of its response to arrive
+# (``OpenAIHTTPUpstream.drain``).
 _DRAIN_S = 0.5
 
 
@@ -166,15 +166,10 @@ class _HttpCall:
         self._finish: Chunk | None = None  # a finished chunk waiting for the usage chunk
         self._error: UpstreamError | None = None  # raised once the tokens before it are read
         self._cached: int | None = None  # from the usage that follows the finish
-        self._last: Chunk | None = None  # the finished chunk, while the stream drains
         self._done = False
         self._cancelled = False
 
     async def read(self) -> Chunk | None:
-        if self._last is not None:  # the answer's end, read before a timeout stopped a drain
-            last, self._last = self._last, None
-            self._close()
-            return last
         if self._done:
             return None
         if self._cancelled:
@@ -192,7 +187,7 @@ class _HttpCall:
 
     async def read_within(self, limit_s: float) -> Chunk | None:
         """``read``, or ``TimeoutError``: a read stopped while it waits for bytes has
-        taken none (``_next`` keeps what it read in the call), so the call reads on."""
+        taken none (``_next`` awaits only there), so the call reads on afterwards."""
         async with asyncio.timeout(limit_s):
             return await self.read()
 
@@ -224,17 +219,17 @@ class _HttpCall:
             self._buf = lines.pop()
             for line in lines:
                 if self._event(line.strip(), ids, lps):  # [DONE]
-                    return await self._end()
+                    return self._end()
             if ids and self._finish is None:
                 return Chunk(ids, logprobs=tuple(lps))
             if self._finish is not None and self._cached is not None:
-                return await self._end()  # the usage came: the answer is complete
-            # A read stopped here (``read_within``) has kept every token it took.
+                return self._end()  # the usage came: the answer is complete
+            # The one await: a read stopped here (``read_within``) has consumed nothing.
             data = await self._resp.content.readany()
             if not data:  # the worker closed the stream
                 self._event(self._buf.strip(), ids, lps)  # a last line without its newline
                 self._buf = b""
-                return await self._end()
+                return self._end()
             self._buf += data
 
     def _event(self, line: bytes, ids: list[int], lps: list[TokenLogprobs]) -> bool:
@@ -277,27 +272,23 @@ class _HttpCall:
                 lps.clear()
         return False
 
-    async def _end(self) -> Chunk:
-        """The held finished chunk, with the usage's cached tokens if they came; the
-        stream read to its end first, so that its connection goes back to the pool."""
+    def _end(self) -> Chunk:
+        """The held finished chunk, with the usage's cached tokens if they came. The rest
+        of the response ([DONE], the chunked end) is read in the background, so that its
+        connection goes back to the pool without the answer waiting for it."""
         self._done = True
         f = self._finish
         if f is None:
             self._close()
             # The stream ended without a finish_reason: the worker went away mid-answer.
             raise _unreachable(ConnectionError("stream ended before the answer finished"))
-        self._last = Chunk(f.token_ids, True, f.finish_reason, self._cached, f.logprobs)
-        resp = self._resp
-        if resp is not None and not resp.content.at_eof():
-            # vLLM writes [DONE] and ends the response right after the usage; a response
-            # left unread is closed, and the next request pays for a new connection.
-            with contextlib.suppress(TimeoutError, aiohttp.ClientError):
-                async with asyncio.timeout(_DRAIN_S):
-                    while await resp.content.readany():
-                        pass
-        self._close()
-        last, self._last = self._last, None
-        return last
+        resp, self._resp = self._resp, None
+        if resp is not None:
+            if resp.content.at_eof():
+                resp.close()  # read whole: its connection is released, not closed
+            else:
+                self._upstream.drain(resp)
+        return Chunk(f.token_ids, True, f.finish_reason, self._cached, f.logprobs)
 
     def cancel(self) -> None:
         """Closes the connection: vLLM aborts a request whose client went away."""
@@ -310,12 +301,24 @@ class _HttpCall:
             self._resp = None
 
 
+async def _drain(resp: aiohttp.ClientResponse) -> None:
+    try:
+        async with asyncio.timeout(_DRAIN_S):
+            while await resp.content.readany():
+                pass
+    except (TimeoutError, aiohttp.ClientError):
+        pass
+    finally:
+        resp.close()  # released to the pool when read to its end, closed otherwise
+
+
 class OpenAIHTTPUpstream:
     """Streams completions from OpenAI-compatible workers over one pooled HTTP session."""
 
     def __init__(self, *, connect_timeout_s: float = 2.0) -> None:
         self.connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self._draining: set[asyncio.Task[None]] = set()
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -348,7 +351,20 @@ class OpenAIHTTPUpstream:
     def forget(self, worker_id: str) -> None:
         """Nothing per worker: connections are pooled by address and expire on their own."""
 
+    def drain(self, resp: aiohttp.ClientResponse) -> None:
+        """Reads the rest of a response whose answer is complete, then releases it.
+
+        vLLM writes ``[DONE]`` and ends the response just after the usage; a response
+        left unread is closed, and the next request to that worker pays for a new
+        connection (one a request before). Its answer does not wait: under load the
+        end can come milliseconds after the usage."""
+        task = asyncio.get_running_loop().create_task(_drain(resp))
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
+
     async def close(self) -> None:
+        for task in list(self._draining):
+            task.cancel()
         if self._session is not None:
             await self._session.close()
             self._session = None

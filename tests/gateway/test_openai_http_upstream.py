@@ -53,6 +53,7 @@ class FakeWorker:
         self.script: list[Any] = []
         self.status = 200
         self.closed_early = asyncio.Event()
+        self.done_written = asyncio.Event()  # set as [DONE] is written
         self.peers: set[Any] = set()  # client (host, port) per connection that sent a request
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -78,6 +79,8 @@ class FakeWorker:
                     continue
                 if item == "cut":
                     return resp  # ends the stream without [DONE] or a finish
+                if item == "[DONE]":
+                    self.done_written.set()
                 data = item if isinstance(item, str) else json.dumps(item)
                 end = "\r\n\r\n" if isinstance(item, dict) and item.get("crlf") else "\n\n"
                 await resp.write(f"data: {data}{end}".encode())
@@ -273,23 +276,22 @@ async def test_a_finished_stream_leaves_its_connection_for_the_next(
     assert len(fake.bodies) == 3 and len(fake.peers) == 1
 
 
-async def test_the_response_is_read_to_its_end_so_its_connection_is_reused(
+async def test_the_rest_of_a_response_is_read_behind_the_answer_and_its_connection_reused(
     worker: tuple[FakeWorker, str],
 ) -> None:
-    # The usage ends the answer, but [DONE] and the response's end come a moment later:
-    # the call waits for them, so the next request does not open a new connection ...
+    # The usage ends the answer; [DONE] and the response's end come a moment later. The
+    # answer does not wait for them, and the rest is read behind it, so the next request
+    # finds the connection in the pool instead of opening another.
     fake, address = worker
     fake.script = [_chunk([5], "stop"), USAGE, "pause", "[DONE]"]
     up = OpenAIHTTPUpstream()
     for _ in range(2):
-        assert (await _all(up, address)) == [Chunk([5], True, "stop", 0)]
+        fake.done_written.clear()
+        assert await _all(up, address) == [Chunk([5], True, "stop", 0)]
+        assert not fake.done_written.is_set()  # answered while the worker still paused
+        await asyncio.wait_for(fake.done_written.wait(), 3.0)
+        await asyncio.sleep(0.1)  # the response's end reaches the reader
     assert len(fake.bodies) == 2 and len(fake.peers) == 1
-    # ... and a timeout during that wait keeps the answer for the next read.
-    call = up.start("w", address, GEN, 10.0)
-    with pytest.raises(TimeoutError):
-        await call.read_within(0.1)
-    assert await call.read() == Chunk([5], True, "stop", 0)
-    assert await call.read() is None
     await up.close()
 
 
