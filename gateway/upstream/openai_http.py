@@ -196,7 +196,7 @@ class _HttpCall:
         timeout = aiohttp.ClientTimeout(
             total=self._timeout_s, sock_connect=self._upstream.connect_timeout_s
         )
-        # orjson: a 6k-token prompt's ids are 0.1 ms of encoding instead of 0.6 ms.
+        # orjson: a 6k-token prompt's body encodes in 0.03 ms; aiohttp's json= took 0.31.
         data = orjson.dumps(self._body)
         resp = await session.post(self._url, data=data, headers=_JSON, timeout=timeout)
         if resp.status != 200:
