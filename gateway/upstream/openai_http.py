@@ -19,19 +19,24 @@ import json
 import logging
 from typing import Any
 
-import aiohttp
 import orjson
 
 from gateway.upstream.base import Chunk, Generation, UpstreamError
+from gateway.upstream.http1 import Connection, Pool, Target
 from openai_api.errors import APIError
 from openai_api.logprobs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
-_JSON = {"Content-Type": "application/json"}
+_HEADERS = {
+    "Content-Type": "application/json",
+    "Accept": "text/event-stream",
+    "User-Agent": "kvroute",
+}
 # At most this long, after an answer's end, for the rest of its response to arrive
-# (``OpenAIHTTPUpstream.drain``).
+# (``Pool.release_when_complete``): vLLM writes ``[DONE]`` and ends the response just
+# after the usage; a response left unread would cost the next request a new connection.
 _DRAIN_S = 0.5
 
 
@@ -152,16 +157,25 @@ class _HttpCall:
     gateway that reads behind a fast worker relays fewer, larger chunks (as a kvroute
     worker's stream interval does), and a read costs one parse of each event (orjson),
     not a line read per line and a task per wait.
+
+    A read stopped by ``read_within`` may stop at any of its awaits: none consumes
+    what it waits for, and the request is sent once (a connect in progress goes on
+    as a task of its own).
     """
 
     def __init__(
-        self, upstream: OpenAIHTTPUpstream, url: str, body: dict[str, Any], timeout_s: float
+        self, upstream: OpenAIHTTPUpstream, target: Target, body: dict[str, Any], timeout_s: float
     ):
         self._upstream = upstream
-        self._url = url
+        self._target = target
         self._body = body
         self._timeout_s = timeout_s
-        self._resp: aiohttp.ClientResponse | None = None
+        self._conn: Connection | None = None  # the request is on it
+        self._connecting: asyncio.Future[Connection] | None = None
+        self._sent_on_pooled = False  # the request went out on a reused connection
+        self._opened = False  # a 200's head is in
+        self._deadline: asyncio.TimerHandle | None = None
+        self._expired = False
         self._buf = b""  # bytes read past the last complete line
         self._finish: Chunk | None = None  # a finished chunk waiting for the usage chunk
         self._error: UpstreamError | None = None  # raised once the tokens before it are read
@@ -169,44 +183,87 @@ class _HttpCall:
         self._done = False
         self._cancelled = False
 
+    @property
+    def _url(self) -> str:
+        t = self._target
+        return f"{'https' if t.tls else 'http'}://{t.host}:{t.port}"
+
     async def read(self) -> Chunk | None:
         if self._done:
             return None
         if self._cancelled:
             raise UpstreamError("cancelled", retryable=False, api_error=APIError(499, "cancelled"))
         try:
-            if self._resp is None:
+            if not self._opened:
                 await self._open()
             return await self._next()
-        except TimeoutError as exc:
+        except TimeoutError as exc:  # the call's whole time is up (``_expire``)
             self.cancel()
             raise _timeout() from exc
-        except aiohttp.ClientError as exc:
+        except OSError as exc:  # refused, reset, closed mid-response, not HTTP
             self.cancel()
             raise _unreachable(exc) from exc
 
     async def read_within(self, limit_s: float) -> Chunk | None:
-        """``read``, or ``TimeoutError``: a read stopped while it waits for bytes has
-        taken none (``_next`` awaits only there), so the call reads on afterwards."""
+        """``read``, or ``TimeoutError``: a read stopped while it waits has taken
+        nothing, so the call reads on afterwards."""
         async with asyncio.timeout(limit_s):
             return await self.read()
 
     async def _open(self) -> None:
-        session = self._upstream.session()
-        timeout = aiohttp.ClientTimeout(
-            total=self._timeout_s, sock_connect=self._upstream.connect_timeout_s
-        )
+        if self._deadline is None:
+            loop = asyncio.get_running_loop()
+            self._deadline = loop.call_later(self._timeout_s, self._expire)
+        while True:
+            if self._conn is None:
+                await self._send()
+            conn = self._conn
+            assert conn is not None
+            try:
+                status = await conn.head()
+                break
+            except ConnectionError:
+                if not self._sent_on_pooled or conn.got_bytes:
+                    raise
+                # A pooled connection the server had closed while idle: it never read
+                # the request, so it goes again on a new connection.
+                conn.close()
+                self._conn, self._sent_on_pooled = None, False
+        if status != 200:
+            detail = _detail(await conn.whole_body(64 * 1024))
+            self._conn = None
+            self._upstream.pool.release(conn)
+            raise _error(status, detail)
+        self._opened = True
+
+    async def _send(self) -> None:
+        pool = self._upstream.pool
+        conn = pool.take(self._target.key)
+        self._sent_on_pooled = conn is not None
+        if conn is None:
+            if self._connecting is None:
+                self._connecting = asyncio.ensure_future(pool.connect(self._target))
+            # Shielded: a read stopped here leaves the connect going for the next read.
+            conn = await asyncio.shield(self._connecting)
+            self._connecting = None
+            if self._expired:
+                conn.close()
+                raise TimeoutError(f"no answer within {self._timeout_s:g}s")
         # orjson: a 6k-token prompt's body encodes in 0.03 ms; aiohttp's json= took 0.31.
-        data = orjson.dumps(self._body)
-        resp = await session.post(self._url, data=data, headers=_JSON, timeout=timeout)
-        if resp.status != 200:
-            detail = _detail(await resp.read())
-            resp.release()
-            raise _error(resp.status, detail)
-        self._resp = resp
+        conn.begin(self._target.request(orjson.dumps(self._body)))
+        self._conn = conn
+
+    def _expire(self) -> None:
+        self._deadline = None
+        error = TimeoutError(f"no answer within {self._timeout_s:g}s")
+        if self._conn is not None:
+            self._conn.fail(error)
+        else:  # connecting: bounded by the connect timeout, checked in ``_send``
+            self._expired = True
 
     async def _next(self) -> Chunk | None:
-        assert self._resp is not None
+        conn = self._conn
+        assert conn is not None
         ids: list[int] = []
         lps: list[TokenLogprobs] = []
         while True:
@@ -225,7 +282,7 @@ class _HttpCall:
             if self._finish is not None and self._cached is not None:
                 return self._end()  # the usage came: the answer is complete
             # The one await: a read stopped here (``read_within``) has consumed nothing.
-            data = await self._resp.content.readany()
+            data = await conn.read()
             if not data:  # the worker closed the stream
                 self._event(self._buf.strip(), ids, lps)  # a last line without its newline
                 self._buf = b""
@@ -274,7 +331,7 @@ class _HttpCall:
 
     def _end(self) -> Chunk:
         """The held finished chunk, with the usage's cached tokens if they came. The rest
-        of the response ([DONE], the chunked end) is read in the background, so that its
+        of the response ([DONE], the chunked end) is read behind the answer, so that its
         connection goes back to the pool without the answer waiting for it."""
         self._done = True
         f = self._finish
@@ -282,12 +339,10 @@ class _HttpCall:
             self._close()
             # The stream ended without a finish_reason: the worker went away mid-answer.
             raise _unreachable(ConnectionError("stream ended before the answer finished"))
-        resp, self._resp = self._resp, None
-        if resp is not None:
-            if resp.content.at_eof():
-                resp.close()  # read whole: its connection is released, not closed
-            else:
-                self._upstream.drain(resp)
+        self._stop_clock()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._upstream.pool.release_when_complete(conn, _DRAIN_S)
         return Chunk(f.token_ids, True, f.finish_reason, self._cached, f.logprobs)
 
     def cancel(self) -> None:
@@ -295,36 +350,32 @@ class _HttpCall:
         self._cancelled = not self._done
         self._close()
 
+    def _stop_clock(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
     def _close(self) -> None:
-        if self._resp is not None:
-            self._resp.close()
-            self._resp = None
+        self._stop_clock()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        connecting, self._connecting = self._connecting, None
+        if connecting is not None:  # the connection it opens is not wanted
+            connecting.add_done_callback(_close_connected)
 
 
-async def _drain(resp: aiohttp.ClientResponse) -> None:
-    try:
-        async with asyncio.timeout(_DRAIN_S):
-            while await resp.content.readany():
-                pass
-    except (TimeoutError, aiohttp.ClientError):
-        pass
-    finally:
-        resp.close()  # released to the pool when read to its end, closed otherwise
+def _close_connected(connecting: asyncio.Future[Connection]) -> None:
+    if not connecting.cancelled() and connecting.exception() is None:
+        connecting.result().close()
 
 
 class OpenAIHTTPUpstream:
-    """Streams completions from OpenAI-compatible workers over one pooled HTTP session."""
+    """Streams completions from OpenAI-compatible workers over pooled HTTP/1.1 connections."""
 
     def __init__(self, *, connect_timeout_s: float = 2.0) -> None:
-        self.connect_timeout_s = connect_timeout_s
-        self._session: aiohttp.ClientSession | None = None
-        self._draining: set[asyncio.Task[None]] = set()
-
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
-            self._session = aiohttp.ClientSession(connector=connector)
-        return self._session
+        self.pool = Pool(connect_timeout_s)
+        self._targets: dict[str, Target] = {}
 
     def start(
         self,
@@ -340,31 +391,20 @@ class OpenAIHTTPUpstream:
 
         ``frames_address`` is a kvroute worker's; an OpenAI HTTP worker has none.
         """
-        base = address if "://" in address else f"http://{address}"
-        return _HttpCall(
-            self, f"{base.rstrip('/')}/v1/completions", completion_body(generation), timeout_s
-        )
+        target = self._targets.get(address)
+        if target is None:
+            base = address if "://" in address else f"http://{address}"
+            target = Target(f"{base.rstrip('/')}/v1/completions", _HEADERS)
+            if len(self._targets) > 4096:  # addresses of workers long gone
+                self._targets.clear()
+            self._targets[address] = target
+        return _HttpCall(self, target, completion_body(generation), timeout_s)
 
     def connect(self, worker_id: str, address: str, *, frames_address: str = "") -> None:
         """Nothing ahead of time: the pool opens connections as requests need them."""
 
     def forget(self, worker_id: str) -> None:
-        """Nothing per worker: connections are pooled by address and expire on their own."""
-
-    def drain(self, resp: aiohttp.ClientResponse) -> None:
-        """Reads the rest of a response whose answer is complete, then releases it.
-
-        vLLM writes ``[DONE]`` and ends the response just after the usage; a response
-        left unread is closed, and the next request to that worker pays for a new
-        connection (one a request before). Its answer does not wait: under load the
-        end can come milliseconds after the usage."""
-        task = asyncio.get_running_loop().create_task(_drain(resp))
-        self._draining.add(task)
-        task.add_done_callback(self._draining.discard)
+        """Nothing per worker: idle connections expire on their own."""
 
     async def close(self) -> None:
-        for task in list(self._draining):
-            task.cancel()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self.pool.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import aiohttp
 import grpc
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -165,10 +166,10 @@ async def test_http_fake_answers_the_gateway_as_a_vllm_worker() -> None:
             assert [t for c in chunks for t in c.token_ids] == [1000, 1001, 1002, 1003, 1004]
             assert chunks[-1].finished and chunks[-1].finish_reason == "length"
             assert chunks[-1].cached_tokens == expected_cached
-        resp = await up.session().post(
-            f"http://127.0.0.1:{server.port}/v1/completions", json={"prompt": "text"}
-        )
-        assert resp.status == 400  # only token ids, as the gateway sends them
+        async with aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{server.port}/v1/completions"
+            async with http.post(url, json={"prompt": "text"}) as resp:
+                assert resp.status == 400  # only token ids, as the gateway sends them
     finally:
         await up.close()
         await server.close()
