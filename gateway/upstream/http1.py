@@ -100,6 +100,9 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def data_received(self, data: bytes) -> None:
+        if self.complete:  # bytes past the response's end: the connection is not reused
+            self.keep_alive = False
+            return
         self.got_bytes = True
         try:
             if not self._mode:
@@ -155,7 +158,9 @@ class Connection(asyncio.Protocol):
                 self.keep_alive = "close" not in value and (
                     self.keep_alive or "keep-alive" in value
                 )
-        if chunked:
+        if code in (204, 304):  # never a body, whatever the headers say
+            self._mode, self.complete = "sized", True
+        elif chunked:
             self._mode = "chunked"
         elif length is not None:
             if length < 0:

@@ -52,6 +52,10 @@ def test_sized_interim_and_to_the_end_responses() -> None:
     assert conn.complete and not conn.keep_alive
     conn, _ = _fed([b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"])
     assert conn.complete and not conn.keep_alive
+    conn, body = _fed([b"HTTP/1.1 204 No Content\r\n\r\n"])
+    assert (conn.status, body, conn.complete, conn.keep_alive) == (204, b"", True, True)
+    conn, _ = _fed([CHUNKED, b"HTTP/1.1 200 OK\r\n"])  # bytes nobody asked for
+    assert conn.complete and not conn.keep_alive
 
 
 @pytest.mark.parametrize(
