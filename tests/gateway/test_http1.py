@@ -88,7 +88,7 @@ def test_the_request_is_one_write_of_head_and_body() -> None:
         Target("ftp://w/v1", {})
 
 
-Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+Script = Callable[["Server", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 class Server:
@@ -102,7 +102,7 @@ class Server:
     async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
-            await self.script(reader, writer)
+            await self.script(self, reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -115,8 +115,24 @@ class Server:
         return await reader.readexactly(length)
 
 
+Serve = Callable[[Script], Awaitable[tuple[Server, Target]]]
+
+
+def keep_answering(response: bytes) -> Script:
+    """A server script: every request on a connection gets ``response``."""
+
+    async def script(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while True:
+            await server.request(reader)
+            writer.write(response)
+
+    return script
+
+
 @pytest.fixture
-async def serve() -> AsyncIterator[Callable[[Script], Awaitable[tuple[Server, Target]]]]:
+async def serve() -> AsyncIterator[Serve]:
     servers: list[asyncio.Server] = []
 
     async def start(script: Script) -> tuple[Server, Target]:
@@ -142,20 +158,17 @@ async def _round_trip(pool: Pool, target: Target) -> bytes:
     return body
 
 
-async def test_keep_alive_connections_are_reused_and_closed_ones_are_not(serve) -> None:  # type: ignore[no-untyped-def]
-    async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await server.request(reader)
-            writer.write(CHUNKED)
-
-    server, target = await serve(keep_alive)
+async def test_keep_alive_connections_are_reused_and_closed_ones_are_not(serve: Serve) -> None:
+    server, target = await serve(keep_answering(CHUNKED))
     pool = Pool(1.0)
     for _ in range(3):
         assert await _round_trip(pool, target) == b"".join(EVENTS)
     assert (server.connections, server.requests) == (1, 3)
 
-    async def one_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await closing.request(reader)
+    async def one_each(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await server.request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok")
 
     closing, target = await serve(one_each)
@@ -165,13 +178,8 @@ async def test_keep_alive_connections_are_reused_and_closed_ones_are_not(serve) 
     pool.close()
 
 
-async def test_idle_connections_expire_before_the_servers_keep_alive(serve) -> None:  # type: ignore[no-untyped-def]
-    async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await server.request(reader)
-            writer.write(CHUNKED)
-
-    server, target = await serve(keep_alive)
+async def test_idle_connections_expire_before_the_servers_keep_alive(serve: Serve) -> None:
+    server, target = await serve(keep_answering(CHUNKED))
     pool = Pool(1.0, idle_s=0.1)
     await _round_trip(pool, target)
     await asyncio.sleep(0.2)
@@ -181,16 +189,18 @@ async def test_idle_connections_expire_before_the_servers_keep_alive(serve) -> N
     pool.close()
 
 
-async def test_unread_body_pauses_the_socket_and_reading_resumes_it(serve) -> None:  # type: ignore[no-untyped-def]
+async def test_unread_body_pauses_the_socket_and_reading_resumes_it(serve: Serve) -> None:
     big = b"x" * (3 << 20)
 
-    async def large(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def large(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await server.request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big))
         writer.write(big)
         await writer.drain()
 
-    server, target = await serve(large)
+    _, target = await serve(large)
     pool = Pool(1.0)
     conn = await pool.connect(target)
     conn.begin(target.request(b"{}"))
@@ -204,7 +214,7 @@ async def test_unread_body_pauses_the_socket_and_reading_resumes_it(serve) -> No
     pool.close()
 
 
-async def test_a_refused_or_silent_connect_is_a_connection_error(serve) -> None:  # type: ignore[no-untyped-def]
+async def test_a_refused_or_silent_connect_is_a_connection_error(serve: Serve) -> None:
     pool = Pool(0.2)
     with pytest.raises(ConnectionError):
         await pool.connect(Target("http://127.0.0.1:9/v1/completions", {}))  # discard port
@@ -238,10 +248,14 @@ async def _answer(up: OpenAIHTTPUpstream, target: Target, timeout_s: float = 5.0
     return ids
 
 
-async def test_a_request_on_a_connection_closed_while_idle_goes_again_on_a_new_one(serve) -> None:  # type: ignore[no-untyped-def]
+async def test_a_request_on_a_connection_closed_while_idle_goes_again_on_a_new_one(
+    serve: Serve,
+) -> None:
     # The server closes a kept-alive connection just as the next request is sent on it
     # (uvicorn's keep-alive timeout): that request was never read, so it is sent again.
-    async def once_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def once_then_close(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await server.request(reader)
         writer.write(ANSWERED)
         await reader.readuntil(b"\r\n\r\n")  # the next request's head, then the close
@@ -254,10 +268,12 @@ async def test_a_request_on_a_connection_closed_while_idle_goes_again_on_a_new_o
     await up.close()
 
 
-async def test_a_slow_head_is_waited_for_by_polls_and_the_request_sent_once(serve) -> None:  # type: ignore[no-untyped-def]
+async def test_a_slow_head_is_waited_for_by_polls_and_the_request_sent_once(serve: Serve) -> None:
     # The dispatcher polls for the first token every 0.25 s: a poll that ends while
     # the worker has not even answered with headers must not send the request again.
-    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def slow(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await server.request(reader)
         await asyncio.sleep(0.3)
         writer.write(ANSWERED)
@@ -278,13 +294,15 @@ async def test_a_slow_head_is_waited_for_by_polls_and_the_request_sent_once(serv
     await up.close()
 
 
-async def test_a_worker_that_never_answers_times_out_as_a_504(serve) -> None:  # type: ignore[no-untyped-def]
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def test_a_worker_that_never_answers_times_out_as_a_504(serve: Serve) -> None:
+    async def silent(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await server.request(reader)
         writer.write(HEAD + b"%x\r\n%b\r\n" % (len(EVENTS[0]), EVENTS[0]))
         await reader.read()  # ... and nothing more until the client goes
 
-    server, target = await serve(silent)
+    _, target = await serve(silent)
     up = OpenAIHTTPUpstream()
     with pytest.raises(UpstreamError) as info:
         await _answer(up, target, timeout_s=0.3)
@@ -297,12 +315,7 @@ def test_the_upstream_runs_on_uvloop_as_the_gateway_does() -> None:
     import uvloop
 
     async def main() -> list[int]:
-        async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            while True:
-                await server.request(reader)
-                writer.write(ANSWERED)
-
-        server = Server(keep_alive)
+        server = Server(keep_answering(ANSWERED))
         listening = await asyncio.start_server(server, "127.0.0.1", 0)
         port = listening.sockets[0].getsockname()[1]
         target = Target(f"http://127.0.0.1:{port}/v1/completions", {})
