@@ -31,6 +31,7 @@ IDLE_S = 4.0
 # Body bytes held unread before the socket stops being read (a slow client behind us).
 _PAUSE_AT = 1 << 20
 _MAX_HEAD = 64 * 1024
+_SWEEP_EVERY = 1024  # releases between sweeps for hosts gone stale
 
 
 class HttpProtocolError(ConnectionError):
@@ -319,6 +320,7 @@ class Pool:
         self._all: weakref.WeakSet[Connection] = weakref.WeakSet()
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
+        self._releases = 0
 
     def take(self, key: tuple[bool, str, int]) -> Connection | None:
         """An idle connection to ``key`` that the server has not closed, if any."""
@@ -361,6 +363,9 @@ class Pool:
             conn.close()
             return
         conn.idle_since = time.monotonic()
+        self._releases += 1
+        if self._releases % _SWEEP_EVERY == 0:
+            self._sweep(conn.idle_since)
         idle = self._idle.setdefault(conn.key, deque())
         # The oldest are at the left: drop the ones that went stale meanwhile.
         while idle and not (
@@ -368,6 +373,15 @@ class Pool:
         ):
             idle.popleft().close()
         idle.append(conn)
+
+    def _sweep(self, now: float) -> None:
+        """Drops the hosts whose idle connections all went stale: workers that left the
+        fleet are never asked again, so nothing else would drop theirs."""
+        for key, idle in list(self._idle.items()):
+            if not any(c.reusable and now - c.idle_since < self.idle_s for c in idle):
+                for conn in idle:
+                    conn.close()
+                del self._idle[key]
 
     def release_when_complete(self, conn: Connection, within_s: float) -> None:
         """``release`` once the rest of its response is read, or close it after

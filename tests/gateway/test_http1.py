@@ -4,6 +4,7 @@ real sockets served by scripted asyncio servers (what each server writes is exac
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -186,6 +187,10 @@ async def test_idle_connections_expire_before_the_servers_keep_alive(serve: Serv
     assert pool.take(target.key) is None  # idle too long: closed, not handed out
     await _round_trip(pool, target)
     assert server.connections == 2
+    # A host nobody asks again (a worker that left) is dropped by a later sweep.
+    await asyncio.sleep(0.2)
+    pool._sweep(time.monotonic())
+    assert target.key not in pool._idle
     pool.close()
 
 
