@@ -55,10 +55,15 @@ class Target:
         host = parts.netloc.rpartition("@")[2]
         lines = [f"POST {path} HTTP/1.1", f"Host: {host}"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
-        self._head = ("\r\n".join(lines) + "\r\nContent-Length: ").encode("latin-1")
+        self._head = ("\r\n".join(lines) + "\r\n").encode("latin-1")
 
-    def request(self, body: bytes) -> bytes:
-        return b"%b%d\r\n\r\n%b" % (self._head, len(body), body)
+    def request(self, body: bytes, request_id: str = "") -> bytes:
+        """The request's bytes; ``request_id`` goes as ``X-Request-Id`` (vLLM takes it
+        as its own id for the request, so its logs name the gateway's)."""
+        rid = b""
+        if request_id and request_id.isascii() and request_id.isprintable():
+            rid = b"X-Request-Id: %b\r\n" % request_id.encode()
+        return b"%b%bContent-Length: %d\r\n\r\n%b" % (self._head, rid, len(body), body)
 
 
 class Connection(asyncio.Protocol):

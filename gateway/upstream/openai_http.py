@@ -15,6 +15,7 @@ retryable (another worker may serve it); 400 is the client's; a timeout is
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 from typing import Any
@@ -164,11 +165,17 @@ class _HttpCall:
     """
 
     def __init__(
-        self, upstream: OpenAIHTTPUpstream, target: Target, body: dict[str, Any], timeout_s: float
+        self,
+        upstream: OpenAIHTTPUpstream,
+        target: Target,
+        body: dict[str, Any],
+        timeout_s: float,
+        request_id: str,
     ):
         self._upstream = upstream
         self._target = target
         self._body = body
+        self._request_id = request_id
         self._timeout_s = timeout_s
         self._conn: Connection | None = None  # the request is on it
         self._connecting: asyncio.Future[Connection] | None = None
@@ -250,7 +257,7 @@ class _HttpCall:
                 conn.close()
                 raise TimeoutError(f"no answer within {self._timeout_s:g}s")
         # orjson: a 6k-token prompt's body encodes in 0.03 ms; aiohttp's json= took 0.31.
-        conn.begin(self._target.request(orjson.dumps(self._body)))
+        conn.begin(self._target.request(orjson.dumps(self._body), self._request_id))
         self._conn = conn
 
     def _expire(self) -> None:
@@ -375,6 +382,7 @@ class OpenAIHTTPUpstream:
 
     def __init__(self, *, connect_timeout_s: float = 2.0) -> None:
         self.pool = Pool(connect_timeout_s)
+        self._tries = itertools.count(1)
         self._targets: dict[str, Target] = {}
 
     def start(
@@ -398,7 +406,11 @@ class OpenAIHTTPUpstream:
             if len(self._targets) > 4096:  # addresses of workers long gone
                 self._targets.clear()
             self._targets[address] = target
-        return _HttpCall(self, target, completion_body(generation), timeout_s)
+        # Each try its own id: vLLM adds a random suffix to the id it is given, but not
+        # with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION, and then an id it still runs (a
+        # retry on this worker before the try before is aborted) may fail.
+        rid = f"{generation.request_id}-{next(self._tries)}"
+        return _HttpCall(self, target, completion_body(generation), timeout_s, rid)
 
     def connect(self, worker_id: str, address: str, *, frames_address: str = "") -> None:
         """Nothing ahead of time: the pool opens connections as requests need them."""

@@ -84,6 +84,10 @@ def test_the_request_is_one_write_of_head_and_body() -> None:
         b"Content-Type: application/json\r\nContent-Length: 7\r\n\r\n"
         b'{"a":1}'
     )
+    assert t.request(b"{}", "cmpl-7f").endswith(
+        b"\r\nX-Request-Id: cmpl-7f\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    assert b"X-Request-Id" not in t.request(b"{}", "bad\r\nid")  # never a header injected
     assert Target("https://w.example/v1/completions", {}).key == (True, "w.example", 443)
     with pytest.raises(ValueError):
         Target("ftp://w/v1", {})

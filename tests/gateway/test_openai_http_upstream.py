@@ -50,6 +50,7 @@ USAGE = {
 class FakeWorker:
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.request_ids: list[str] = []
         self.script: list[Any] = []
         self.status = 200
         self.closed_early = asyncio.Event()
@@ -58,6 +59,7 @@ class FakeWorker:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
+        self.request_ids.append(request.headers.get("X-Request-Id", ""))
         self.peers.add(request.transport.get_extra_info("peername") if request.transport else None)
         if self.status != 200:
             return web.json_response(
@@ -138,11 +140,14 @@ async def test_stream_maps_tokens_finish_and_cached_tokens(worker: tuple[FakeWor
         Chunk([8], finished=True, finish_reason="length", cached_tokens=32),
     ]
     assert fake.bodies[0]["prompt"] == [1, 2, 3]
+    # The gateway's request id, made unique per try (vLLM takes it as its own).
+    assert fake.request_ids[0].startswith("r1-")
     # Events that arrive together are read as one chunk (the finish with what came before).
     fake.script = script
     assert await _all(up, address) == [
         Chunk([5, 6, 7, 8], finished=True, finish_reason="length", cached_tokens=32)
     ]
+    assert fake.request_ids[1].startswith("r1-") and fake.request_ids[1] != fake.request_ids[0]
     await up.close()
 
 

@@ -6,6 +6,7 @@ restart test comes last because it restarts ``vllm-1``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -398,3 +399,29 @@ def test_vllm_killed_and_restarted_under_its_bridge(fleet: VllmFleet, rdb: redis
     expected, _ = held_blocks(server, spec(fleet))
     eventually(lambda: published_blocks(rdb, "vllm-1") == expected, 10, "the new epoch's set")
     assert record(rdb, "vllm-1")["epoch"] == new_epoch
+
+
+def test_vllm_takes_the_gateways_request_id(fleet: VllmFleet) -> None:
+    """The openai-http upstream sends each try's id as ``X-Request-Id``; vLLM names the
+    request after it (its stream's ``id``), so its logs name the gateway's request."""
+    raw = asyncio.run(_vllm_stream(fleet.servers[0].url, "chatcmpl-0f3a-1"))
+    events = [json.loads(line[5:]) for line in raw.split(b"\n") if line.startswith(b"data: {")]
+    assert events and {e["id"] for e in events} == {"cmpl-chatcmpl-0f3a-1"}
+
+
+async def _vllm_stream(url: str, request_id: str) -> bytes:
+    from gateway.upstream.http1 import Pool, Target
+
+    pool = Pool(5.0)
+    target = Target(url + "/v1/completions", {"Content-Type": "application/json"})
+    body = json.dumps({"prompt": [1, 2, 3, 4], "max_tokens": 2, "stream": True}).encode()
+    conn = await pool.connect(target)
+    try:
+        conn.begin(target.request(body, request_id))
+        assert await conn.head() == 200
+        out = b""
+        while data := await conn.read():
+            out += data
+        return out
+    finally:
+        pool.close()
