@@ -240,6 +240,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         pod = RemoteIndex(config.index_socket)
     elif config.index_socket:
         pod = IndexServer(config.index_socket, index)
+    openai_http = OpenAIHTTPUpstream()
     upstreams: dict[str, Upstream] = {
         "grpc": GrpcUpstream(
             config.grpc_tls_ca.read_bytes() if config.grpc_tls_ca else None,
@@ -248,13 +249,14 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
             mux=config.grpc_mux,
             frames=config.worker_frames,
         ),
-        "openai-http": OpenAIHTTPUpstream(),
+        "openai-http": openai_http,
     }
     sessions = SessionMap(config.session_ttl_s)
     metrics = GatewayMetrics(config.model_name if config.vllm_metrics else None)
     metrics.watch_tokenizer_caches(
         {"chat": tokenizer.prefix_cache, "prompt": tokenizer.prompt_cache}
     )
+    metrics.watch_http_pool(openai_http.pool)
     stats = RollingStats()
     mirror = IndexMirror(
         config.redis_url,

@@ -171,6 +171,10 @@ class GatewayMetrics:
         if live:
             self.registry.register(_TokenizerCaches(live))
 
+    def watch_http_pool(self, pool: HttpPool) -> None:
+        """Exports the connection counts of the pool the openai-http upstream uses."""
+        self.registry.register(_HttpPoolCollector(pool))
+
     def set_worker(self, worker_id: str, **values: float) -> None:
         """Sets the per-worker gauges named in ``WORKER_GAUGES`` (``running=3, ...``)."""
         for name, value in values.items():
@@ -270,6 +274,46 @@ class _TokenizerCaches(Collector):
             entries.add_metric([name], len(cache))
             tokens.add_metric([name], cache.cached_tokens)
         yield from (lookups, reused, entries, tokens)
+
+
+class HttpPool(Protocol):
+    """What the metrics read from the upstream's HTTP connection pool (``gateway.upstream``)."""
+
+    opened: int
+    reused: int
+    resent: int
+
+    def idle_connections(self) -> int: ...
+
+
+class _HttpPoolCollector(Collector):
+    """Connections to OpenAI-HTTP workers (vLLM): a keep-alive that breaks (a proxy that
+    closes connections, a server's short keep-alive) shows as ``opened`` rising with
+    the request rate instead of ``reused``."""
+
+    def __init__(self, pool: HttpPool) -> None:
+        self.pool = pool
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        p = "kvroute_gateway_upstream_http_"
+        requests = CounterMetricFamily(
+            p + "connections",
+            "Connections to OpenAI-HTTP workers, by event: opened, reused (a request sent "
+            "on a kept-alive one), resent (a request sent again: its kept-alive "
+            "connection had been closed by the worker)",
+            labels=["event"],
+        )
+        requests.add_metric(["opened"], self.pool.opened)
+        requests.add_metric(["reused"], self.pool.reused)
+        requests.add_metric(["resent"], self.pool.resent)
+        idle = GaugeMetricFamily(
+            p + "idle_connections", "Kept-alive connections to OpenAI-HTTP workers now idle"
+        )
+        idle.add_metric([], self.pool.idle_connections())
+        yield from (requests, idle)
 
 
 def _sum_samples(metric: Counter | Gauge | Histogram, suffix: str) -> dict[str, float]:

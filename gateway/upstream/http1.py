@@ -326,6 +326,10 @@ class Pool:
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
         self._releases = 0
+        # Read by the gateway's metrics at scrape time (plain ints: no cost a request).
+        self.opened = 0  # connections opened
+        self.reused = 0  # requests sent on a pooled connection
+        self.resent = 0  # requests sent again: their pooled connection had been closed
 
     def take(self, key: tuple[bool, str, int]) -> Connection | None:
         """An idle connection to ``key`` that the server has not closed, if any."""
@@ -334,6 +338,7 @@ class Pool:
         while idle:
             conn = idle.pop()
             if conn.reusable and now - conn.idle_since < self.idle_s:
+                self.reused += 1
                 return conn
             conn.close()
         return None
@@ -360,7 +365,11 @@ class Pool:
         except TimeoutError:
             raise ConnectionError(f"no connection within {self.connect_timeout_s:g}s") from None
         self._all.add(conn)
+        self.opened += 1
         return conn
+
+    def idle_connections(self) -> int:
+        return sum(len(idle) for idle in self._idle.values())
 
     def release(self, conn: Connection) -> None:
         """Back to the pool if its response was read whole and the server keeps it open."""

@@ -236,6 +236,7 @@ class _HttpCall:
                 # the request, so it goes again on a new connection.
                 conn.close()
                 self._conn, self._sent_on_pooled = None, False
+                self._upstream.pool.resent += 1
         if status != 200:
             detail = _detail(await conn.whole_body(64 * 1024))
             self._conn = None

@@ -169,6 +169,7 @@ async def test_keep_alive_connections_are_reused_and_closed_ones_are_not(serve: 
     for _ in range(3):
         assert await _round_trip(pool, target) == b"".join(EVENTS)
     assert (server.connections, server.requests) == (1, 3)
+    assert (pool.opened, pool.reused, pool.idle_connections()) == (1, 2, 1)  # the metrics
 
     async def one_each(
         server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -274,6 +275,7 @@ async def test_a_request_on_a_connection_closed_while_idle_goes_again_on_a_new_o
     assert await _answer(up, target) == [5, 6]
     assert await _answer(up, target) == [5, 6]
     assert (server.connections, server.requests) == (2, 2)
+    assert (up.pool.opened, up.pool.reused, up.pool.resent) == (2, 1, 1)
     await up.close()
 
 

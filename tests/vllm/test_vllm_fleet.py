@@ -33,6 +33,7 @@ from tests.vllm.conftest import (
     held_blocks,
     published_blocks,
     record,
+    scrape,
     spec,
     vllm_gauge,
 )
@@ -148,6 +149,13 @@ def test_multi_turn_conversation_stays_on_the_worker_holding_it(fleet: VllmFleet
             assert worker == first, turns
             assert cached >= 32 * ((turns[i - 1][1]) // 32) - 32, turns  # the previous prompt hit
     assert turns[-1][2] > 0
+    # The turns went over kept-alive connections, as the gateway's metrics count them.
+    connections = {
+        labels: v
+        for (n, labels), v in scrape(fleet.gateway_url).items()
+        if n == "kvroute_gateway_upstream_http_connections_total"
+    }
+    assert connections['event="reused"'] >= 1, connections
 
 
 def test_openai_sdk_streaming_usage_and_disconnect(fleet: VllmFleet) -> None:
