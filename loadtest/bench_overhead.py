@@ -24,7 +24,12 @@ as vLLM 0.32 sends them), the transport of a vLLM fleet;
 (``--baseline-tree``: a ``git worktree`` of an earlier commit), so a change is
 measured against the build before it in the same run, round by round;
 ``kvroute_cpu_vs_baseline`` is the ratio (``kvroute_http_baseline`` and
-``kvroute_http_cpu_vs_baseline`` the same in front of the vLLM-shaped fakes). Rounds interleave the routers (A/B/A/B), and every figure is
+``kvroute_http_cpu_vs_baseline`` the same in front of the vLLM-shaped fakes).
+``aiohttp_floor`` (``loadtest.aiohttp_floor``) is aiohttp on uvloop answering at
+once and routing nothing: the floor under any router built on it, and
+``kvroute_cpu_vs_aiohttp_floor`` how far above it kvroute is; ``aiohttp_proxy`` is
+the same server as a round-robin proxy to the fakes (the peers' ``round_robin``
+in Python), and ``kvroute_cpu_vs_aiohttp_proxy`` that ratio. Rounds interleave the routers (A/B/A/B), and every figure is
 the median over rounds. The peers do not tokenize; kvroute does. The fakes
 are ``loadtest.instant_workers``: one message (gRPC) or SSE event (HTTP) per
 token, as a worker sends them when it keeps up, and kvroute's publish the
@@ -91,6 +96,8 @@ ROUTERS = (
     "sglang_cache_aware",
     "vllm_rr",
     "vllm_cache_aware",
+    "aiohttp_floor",
+    "aiohttp_proxy",
 )
 WORKLOADS = ("chat_small", "stream_128", "chat_6k_repeat", "chat_6k_cold")
 # Run only when named (``--workloads``): not part of the issue's table.
@@ -273,6 +280,9 @@ def _router_cmd(name: str, port: int, redis_url: str, ns: str, urls: list[str]) 
             *("--replica-sync", "true" if name == "kvroute_2proc" else "false"),
             *("--processes", "2" if name == "kvroute_2proc" else "1"),
         ]
+    if name.startswith("aiohttp_"):  # aiohttp alone, routing nothing: floors under kvroute
+        forward = ("--forward", ",".join(urls)) if name == "aiohttp_proxy" else ()
+        return [sys.executable, "-m", "loadtest.aiohttp_floor", "--port", str(port), *forward]
     bin_dir = ensure_peer_venv(PeersConfig())
     policy = "round_robin" if name.endswith("_rr") else "cache_aware"
     # Every router runs at once (rounds interleave), so each gets its own metrics port.
@@ -471,6 +481,10 @@ def summarize(
         # Frames to kvroute workers over OpenAI HTTP to vLLM-shaped ones, same run.
         "kvroute_cpu_vs_http": cpu_ratio(out.get("kvroute_http", {})),
         "kvroute_cpu_vs_generate": cpu_ratio(out.get("kvroute_generate", {})),
+        # Over an aiohttp server that answers at once and routes nothing, same run.
+        "kvroute_cpu_vs_aiohttp_floor": cpu_ratio(out.get("aiohttp_floor", {})),
+        # Over a round-robin proxy in Python (aiohttp + kvroute's HTTP client), same run.
+        "kvroute_cpu_vs_aiohttp_proxy": cpu_ratio(out.get("aiohttp_proxy", {})),
         # This checkout against --baseline-tree's, same run.
         "kvroute_cpu_vs_baseline": cpu_ratio(out.get("kvroute_baseline", {})),
         "kvroute_http_cpu_vs_baseline": cpu_ratio(

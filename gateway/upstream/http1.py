@@ -270,6 +270,8 @@ class Connection(asyncio.Protocol):
         """The body once read to its end (an error's, which is short), at most ``limit``
         bytes; a wait cancelled here takes nothing, as ``read``'s."""
         while not self.complete and self._error is None and len(self._body) < limit:
+            if self.transport is not None:
+                self.transport.resume_reading()  # paused past _PAUSE_AT: wanted here
             await self._wait()
         if self._error is not None and not self._body:
             raise self._error
