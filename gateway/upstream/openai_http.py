@@ -15,7 +15,6 @@ retryable (another worker may serve it); 400 is the client's; a timeout is
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 from typing import Any
@@ -383,7 +382,6 @@ class OpenAIHTTPUpstream:
 
     def __init__(self, *, connect_timeout_s: float = 2.0) -> None:
         self.pool = Pool(connect_timeout_s)
-        self._tries = itertools.count(1)
         self._targets: dict[str, Target] = {}
 
     def start(
@@ -407,11 +405,10 @@ class OpenAIHTTPUpstream:
             if len(self._targets) > 4096:  # addresses of workers long gone
                 self._targets.clear()
             self._targets[address] = target
-        # Each try its own id: vLLM adds a random suffix to the id it is given, but not
-        # with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION, and then an id it still runs (a
-        # retry on this worker before the try before is aborted) may fail.
-        rid = f"{generation.request_id}-{next(self._tries)}"
-        return _HttpCall(self, target, completion_body(generation), timeout_s, rid)
+        # The id vLLM gets (``X-Request-Id``) is unique per try: the dispatcher names a
+        # retry ``<id>-<attempt>``, as vLLM needs with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION.
+        body = completion_body(generation)
+        return _HttpCall(self, target, body, timeout_s, generation.request_id)
 
     def connect(self, worker_id: str, address: str, *, frames_address: str = "") -> None:
         """Nothing ahead of time: the pool opens connections as requests need them."""
