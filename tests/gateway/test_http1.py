@@ -136,6 +136,21 @@ def keep_answering(response: bytes) -> Script:
     return script
 
 
+def answer_once(response: bytes, after_s: float = 0.0) -> Script:
+    """A server script: the first request gets ``response`` after ``after_s``; the
+    connection then stays open, silent, until the client closes it."""
+
+    async def script(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await server.request(reader)
+        await asyncio.sleep(after_s)
+        writer.write(response)
+        await reader.read()
+
+    return script
+
+
 @pytest.fixture
 async def serve() -> AsyncIterator[Serve]:
     servers: list[asyncio.Server] = []
@@ -282,15 +297,7 @@ async def test_a_request_on_a_connection_closed_while_idle_goes_again_on_a_new_o
 async def test_a_slow_head_is_waited_for_by_polls_and_the_request_sent_once(serve: Serve) -> None:
     # The dispatcher polls for the first token every 0.25 s: a poll that ends while
     # the worker has not even answered with headers must not send the request again.
-    async def slow(
-        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        await server.request(reader)
-        await asyncio.sleep(0.3)
-        writer.write(ANSWERED)
-        await reader.read()
-
-    server, target = await serve(slow)
+    server, target = await serve(answer_once(ANSWERED, after_s=0.3))
     up = OpenAIHTTPUpstream()
     call = up.start("w", f"127.0.0.1:{target.port}", GEN, 5.0)
     polls = 0
@@ -306,14 +313,8 @@ async def test_a_slow_head_is_waited_for_by_polls_and_the_request_sent_once(serv
 
 
 async def test_a_worker_that_never_answers_times_out_as_a_504(serve: Serve) -> None:
-    async def silent(
-        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        await server.request(reader)
-        writer.write(HEAD + b"%x\r\n%b\r\n" % (len(EVENTS[0]), EVENTS[0]))
-        await reader.read()  # ... and nothing more until the client goes
-
-    _, target = await serve(silent)
+    # One event of a chunked stream, and nothing more until the client goes.
+    _, target = await serve(answer_once(HEAD + b"%x\r\n%b\r\n" % (len(EVENTS[0]), EVENTS[0])))
     up = OpenAIHTTPUpstream()
     with pytest.raises(UpstreamError) as info:
         await _answer(up, target, timeout_s=0.3)
