@@ -244,6 +244,8 @@ class _HttpCall:
         self._opened = True
 
     async def _send(self) -> None:
+        if self._expired:  # the clock ran out while no connection held the request
+            raise TimeoutError(f"no answer within {self._timeout_s:g}s")
         pool = self._upstream.pool
         conn = pool.take(self._target.key)
         self._sent_on_pooled = conn is not None
@@ -265,7 +267,7 @@ class _HttpCall:
         error = TimeoutError(f"no answer within {self._timeout_s:g}s")
         if self._conn is not None:
             self._conn.fail(error)
-        else:  # connecting: bounded by the connect timeout, checked in ``_send``
+        else:  # connecting (bounded by the connect timeout) or about to send again
             self._expired = True
 
     async def _next(self) -> Chunk | None:
