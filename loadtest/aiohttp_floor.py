@@ -113,6 +113,7 @@ class _Proxy:
         conn = self.pool.take(target.key) or await self.pool.connect(target)
         conn.begin(target.request(body))
         status = await conn.head()
+        # Not parsed, as a proxy does not: the answer's shape is read off the bytes.
         stream = b'"stream":true' in body.replace(b" ", b"")
         if not stream or status != 200:
             data = await conn.whole_body(1 << 26)
