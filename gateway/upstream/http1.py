@@ -1,7 +1,7 @@
 """A lean HTTP/1.1 client for one kind of call: a POST whose response is read as it streams.
 
 The openai-http upstream sends every request to vLLM this way. aiohttp's client did
-the same job for 0.2-0.25 ms more of the gateway's CPU a small chat (a same-run A/B
+the same job for 0.18-0.24 ms more of the gateway's CPU a small chat (same-run A/Bs
 on a 2-core host, README "In front of vLLM workers"): its request and response
 objects, header multidicts, cookie jar and tracing hooks cost more than the routing
 decision. Here a request is one ``write`` of bytes built from a
