@@ -334,13 +334,17 @@ class Pool:
         self.reused = 0  # requests sent on a pooled connection
         self.resent = 0  # requests sent again: their pooled connection had been closed
 
+    def _fresh(self, conn: Connection, now: float) -> bool:
+        """Fit to carry a request at ``now``: open, kept alive, idle for less than ``idle_s``."""
+        return conn.reusable and now - conn.idle_since < self.idle_s
+
     def take(self, key: tuple[bool, str, int]) -> Connection | None:
         """An idle connection to ``key`` that the server has not closed, if any."""
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if conn.reusable and now - conn.idle_since < self.idle_s:
+            if self._fresh(conn, now):
                 self.reused += 1
                 return conn
             conn.close()
@@ -385,9 +389,7 @@ class Pool:
             self._sweep(conn.idle_since)
         idle = self._idle.setdefault(conn.key, deque())
         # The oldest are at the left: drop the ones that went stale meanwhile.
-        while idle and not (
-            idle[0].reusable and conn.idle_since - idle[0].idle_since < self.idle_s
-        ):
+        while idle and not self._fresh(idle[0], conn.idle_since):
             idle.popleft().close()
         idle.append(conn)
 
@@ -395,7 +397,7 @@ class Pool:
         """Drops the hosts whose idle connections all went stale: workers that left the
         fleet are never asked again, so nothing else would drop theirs."""
         for key, idle in list(self._idle.items()):
-            if not any(c.reusable and now - c.idle_since < self.idle_s for c in idle):
+            if not any(self._fresh(c, now) for c in idle):
                 for conn in idle:
                     conn.close()
                 del self._idle[key]
