@@ -71,6 +71,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,7 @@ ROUTERS = (
 WORKLOADS = ("chat_small", "stream_128", "chat_6k_repeat", "chat_6k_cold")
 # Run only when named (``--workloads``): not part of the issue's table.
 EXTRA_WORKLOADS = ("json_256",)
+NAMESPACE = "overhead"  # the fakes' Redis namespace
 NONCE = b"@nonce@"  # in a cold body's system prompt; see _sendable
 _SENT = itertools.count(1)
 
@@ -359,43 +362,64 @@ def run(
 ) -> Any:
     if any(r.endswith("_baseline") for r in routers) and baseline_tree is None:
         raise ValueError("a *_baseline router needs --baseline-tree")
-    redis = PrivateRedis()
-    tmp = Path(tempfile.mkdtemp(prefix="kvroute-overhead-"))
-    ns = "overhead"
-    fakes = start_fakes(workers, redis.url, ns, tmp / "ready.json", stream_interval)
     started: dict[str, Router] = {}
     results: dict[str, dict[str, list[dict[str, Any]]]] = {r: {} for r in routers}
     skipped: dict[str, str] = {}
+    with fake_fleet(workers, stream_interval) as fleet:
+        try:
+            bodies = {w: make_bodies(w, 200, seed=i) for i, w in enumerate(workloads)}
+            for name in routers:
+                try:
+                    tree = baseline_tree if name.endswith("_baseline") and baseline_tree else ROOT
+                    router = fleet.router(name, tree)
+                    router.wait_ready(bodies[workloads[0]][0])
+                    started[name] = router
+                except Exception as exc:  # a peer that cannot run is reported, the rest go on
+                    skipped[name] = f"{type(exc).__name__}: {exc}"
+            # The direct p50 that "added" latency subtracts is measured in every round,
+            # with every router up, as the routers' own c=1 latency is: measured once on a
+            # quiet host before they started, it made each router's added p50 look larger.
+            directs: dict[str, list[float]] = {w: [] for w in workloads}
+            for _ in range(rounds):
+                for w in workloads:
+                    directs[w].append(_direct_p50(fleet.urls[0], bodies[w]))
+                    for name, router in started.items():
+                        results[name].setdefault(w, []).append(
+                            measure(router, w, bodies[w], seconds, concurrency)
+                        )
+            direct = {w: statistics.median(v) for w, v in directs.items()}
+            summary = summarize(results, started, skipped, direct, workloads)
+            return {**summary, "stream_interval": stream_interval, "concurrency": concurrency}
+        finally:
+            for router in started.values():
+                router.close()
+
+
+@dataclass
+class FakeFleet:
+    """``start_fakes``' workers, registered in a private Redis, and a folder for logs."""
+
+    redis_url: str
+    urls: list[str]  # the fakes' OpenAI HTTP fronts
+    tmp: Path
+
+    def router(self, name: str, tree: Path = ROOT) -> Router:
+        """Router ``name`` started in front of these fakes (not yet ready)."""
+        port = free_port()
+        cmd = _router_cmd(name, port, self.redis_url, NAMESPACE, self.urls)
+        return Router(name, cmd, port, self.tmp / f"{name}.log", tree)
+
+
+@contextlib.contextmanager
+def fake_fleet(workers: int, stream_interval: int = 1) -> Iterator[FakeFleet]:
+    """A private Redis, ``workers`` instant fakes registered in it, and a temporary
+    folder; all gone afterwards."""
+    redis = PrivateRedis()
+    tmp = Path(tempfile.mkdtemp(prefix="kvroute-overhead-"))
+    fakes = start_fakes(workers, redis.url, NAMESPACE, tmp / "ready.json", stream_interval)
     try:
-        urls = wait_fakes(fakes, tmp / "ready.json")
-        bodies = {w: make_bodies(w, 200, seed=i) for i, w in enumerate(workloads)}
-        for name in routers:
-            try:
-                port = free_port()
-                cmd = _router_cmd(name, port, redis.url, ns, urls)
-                tree = baseline_tree if name.endswith("_baseline") and baseline_tree else ROOT
-                router = Router(name, cmd, port, tmp / f"{name}.log", tree)
-                router.wait_ready(bodies[workloads[0]][0])
-                started[name] = router
-            except Exception as exc:  # a peer that cannot run is reported, the rest go on
-                skipped[name] = f"{type(exc).__name__}: {exc}"
-        # The direct p50 that "added" latency subtracts is measured in every round, with
-        # every router up, as the routers' own c=1 latency is: measured once on a quiet
-        # host before they started, it made each router's added p50 look larger.
-        directs: dict[str, list[float]] = {w: [] for w in workloads}
-        for _ in range(rounds):
-            for w in workloads:
-                directs[w].append(_direct_p50(urls[0], bodies[w]))
-                for name, router in started.items():
-                    results[name].setdefault(w, []).append(
-                        measure(router, w, bodies[w], seconds, concurrency)
-                    )
-        direct = {w: statistics.median(v) for w, v in directs.items()}
-        summary = summarize(results, started, skipped, direct, workloads)
-        return {**summary, "stream_interval": stream_interval, "concurrency": concurrency}
+        yield FakeFleet(redis.url, wait_fakes(fakes, tmp / "ready.json"), tmp)
     finally:
-        for router in started.values():
-            router.close()
         fakes.terminate()
         fakes.wait(10)
         redis.close()

@@ -25,23 +25,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench_overhead import (
-    ROOT,
-    ROUTERS,
-    WORKLOADS,
-    Router,
-    _load,
-    _router_cmd,
-    make_bodies,
-    start_fakes,
-    wait_fakes,
-)
-from loadtest.fleet import free_port, sigterm_as_ctrl_c
-from loadtest.scale_redis import PrivateRedis
+from loadtest.bench_overhead import ROUTERS, WORKLOADS, _load, fake_fleet, make_bodies
+from loadtest.fleet import sigterm_as_ctrl_c
 
 # A request's steps, each named by pieces of the frames that belong to it.
 STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -127,79 +115,64 @@ def split_samples(folded: str) -> tuple[dict[str, int], int]:
 
 
 def profile(router: str, workload: str, concurrency: int, seconds: float, rate: int) -> Any:
-    if shutil.which("py-spy") is None and not (Path(sys.executable).parent / "py-spy").exists():
-        raise SystemExit("py-spy is not installed: pip install py-spy (the loadtest extra)")
     spy_bin = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    redis = PrivateRedis()
-    tmp = Path(tempfile.mkdtemp(prefix="kvroute-profile-"))
-    fakes = start_fakes(4, redis.url, "overhead", tmp / "ready.json")
-    proc: Router | None = None
-    try:
-        urls = wait_fakes(fakes, tmp / "ready.json")
-        bodies = make_bodies(workload, 200, seed=0)
-        port = free_port()
-        proc = Router(
-            router,
-            _router_cmd(router, port, redis.url, "overhead", urls),
-            port,
-            tmp / "router.log",
-            ROOT,
-        )
-        proc.wait_ready(bodies[0])
-        asyncio.run(_load(proc.url, bodies, concurrency, 2.0))  # warm
-        out = tmp / "samples.txt"
-        spy = subprocess.Popen(
-            [
-                spy_bin,
-                "record",
-                "-f",
-                "raw",
-                "-r",
-                str(rate),
-                "--nonblocking",
-                "-o",
-                str(out),
-                "-p",
-                str(proc.proc.pid),
-                "-d",
-                str(max(1, round(seconds))),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        cpu0 = proc.cpu_s()
-        run = asyncio.run(_load(proc.url, bodies, concurrency, seconds))
-        cpu = proc.cpu_s() - cpu0
-        _, err = spy.communicate(timeout=60)
-        if spy.returncode != 0 or not out.exists():
-            raise SystemExit(f"py-spy failed: {err.decode(errors='replace').strip()[-300:]}")
-        n = len(run["latencies_ms"])
-        cpu_ms = cpu * 1e3 / max(1, n)
-        steps, busy = split_samples(out.read_text())
-        return {
-            "benchmark": "where a router's CPU goes a request, by step (py-spy)",
-            "router": router,
-            "workload": workload,
-            "concurrency": concurrency,
-            "requests": n,
-            "cpu_ms_per_request": round(cpu_ms, 3),
-            "busy_samples": busy,
-            # Each step's share of the busy samples, scaled to the measured CPU.
-            "steps_ms": {
-                k: round(v / busy * cpu_ms, 4)
-                for k, v in sorted(steps.items(), key=lambda kv: -kv[1])
-            }
-            if busy
-            else {},
-            "load_average": [round(x, 2) for x in os.getloadavg()],
-        }
-    finally:
-        if proc is not None:
+    if not Path(spy_bin).exists():
+        raise SystemExit("py-spy is not installed: pip install py-spy (the loadtest extra)")
+    with fake_fleet(4) as fleet:
+        proc = fleet.router(router)
+        try:
+            bodies = make_bodies(workload, 200, seed=0)
+            proc.wait_ready(bodies[0])
+            asyncio.run(_load(proc.url, bodies, concurrency, 2.0))  # warm
+            out = fleet.tmp / "samples.txt"
+            pid, duration = str(proc.proc.pid), str(max(1, round(seconds)))
+            spy = subprocess.Popen(
+                [
+                    spy_bin,
+                    "record",
+                    "-f",
+                    "raw",
+                    "-r",
+                    str(rate),
+                    "--nonblocking",
+                    "-o",
+                    str(out),
+                    "-p",
+                    pid,
+                    "-d",
+                    duration,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            cpu0 = proc.cpu_s()
+            run = asyncio.run(_load(proc.url, bodies, concurrency, seconds))
+            cpu = proc.cpu_s() - cpu0
+            _, err = spy.communicate(timeout=60)
+            if spy.returncode != 0 or not out.exists():
+                raise SystemExit(f"py-spy failed: {err.decode(errors='replace').strip()[-300:]}")
+            samples = out.read_text()
+        finally:
             proc.close()
-        fakes.terminate()
-        fakes.wait(10)
-        redis.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+    n = len(run["latencies_ms"])
+    cpu_ms = cpu * 1e3 / max(1, n)
+    steps, busy = split_samples(samples)
+    return {
+        "benchmark": "where a router's CPU goes a request, by step (py-spy)",
+        "router": router,
+        "workload": workload,
+        "concurrency": concurrency,
+        "requests": n,
+        "cpu_ms_per_request": round(cpu_ms, 3),
+        "busy_samples": busy,
+        # Each step's share of the busy samples, scaled to the measured CPU.
+        "steps_ms": {
+            k: round(v / busy * cpu_ms, 4) for k, v in sorted(steps.items(), key=lambda kv: -kv[1])
+        }
+        if busy
+        else {},
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
