@@ -18,6 +18,13 @@ token) touches only its expiry. A look-up where 1,000 workers speculate a
 64-block system prompt: 6.1 -> 0.19 ms. On a small fleet it is a wash: a
 375-block chain held twice (routed, first token) and looked up once per
 request, 259 -> 257 us with one worker speculating, 328 -> 258 us with four.
+
+The hashes one hold finds unclaimed share one entry: a cold 6k-token prompt's
+375 blocks cost one dict, not 375, and its renewal at the first token and its
+expiry change that one dict (copy on write keeps it exact: see ``Speculation``).
+Same-run A/B (``bench_overhead --routers kvroute,kvroute_baseline``, three
+rounds, two runs): a cold 6k chat's gateway CPU 5.54 -> 4.66 and 5.23 -> 4.35 ms
+(0.84x, 0.83x); ``bench_scale``'s ``bench_prune(1_000_000)`` 494 -> 95 ms.
 """
 
 from __future__ import annotations
@@ -30,18 +37,26 @@ INF = float("inf")
 # An entry is one dict: worker id -> expiry, plus under these keys (a space is never
 # in a worker id: ``contract.redis_layout.valid_worker_id``) the holders' bitset
 # (index ordinals), the soonest expiry among them, the ordinal generation the two
-# were computed in (STALE: recompute) and when a lookup last recomputed them (-inf:
-# never; every worker added since has its bit). Only strings as keys (CPython's
-# faster lookup) and ints, floats and strings as values: the garbage collector does
-# not track such a dict, and a busy gateway holds hundreds of thousands (as lists
-# they made its collections cost 10 % more CPU).
-BITS, SOONEST, GENERATION, COMPUTED = " bits", " soonest", " generation", " computed"
-META = 4  # keys of an entry that are not workers
+# were computed in (STALE: recompute), when a lookup last recomputed them (-inf:
+# never; every worker added since has its bit) and how many hashes share the entry.
+# Only strings as keys (CPython's faster lookup) and ints, floats and strings as
+# values: the garbage collector does not track such a dict, and a busy gateway holds
+# hundreds of thousands (as lists they made its collections cost 10 % more CPU).
+BITS, SOONEST, GENERATION, COMPUTED, REFS = " bits", " soonest", " generation", " computed", " refs"
+META = 5  # keys of an entry that are not workers
 STALE = -1
 
 
 class Speculation:
-    """hash -> entry (see above), plus a heap of (expiry, n, worker, hashes) to expire them."""
+    """hash -> entry (see above), plus a heap of (expiry, n, worker, hashes) to expire them.
+
+    The hashes one hold found unclaimed share one entry (``REFS`` counts them). A
+    later hold that covers every hash sharing an entry changes it once for all; one
+    that covers only some gives each of those its own copy first (copy on write), as
+    a withdrawal does, so an entry always says exactly who holds each of its hashes.
+    An entry emptied by an expiry through some of its hashes is let go by the others
+    when the hold that set that expiry (which covered them all) expires too.
+    """
 
     def __init__(self) -> None:
         self.by_hash: dict[int, dict[str, Any]] = {}
@@ -59,39 +74,61 @@ class Speculation:
         generation: int,
     ) -> None:
         """Assumes ``worker_id`` (ordinal bit ``bit`` in the index's ``generation``)
-        holds ``hashes`` until ``now + ttl`` (monotonic seconds)."""
+        holds ``hashes`` until ``now + ttl`` (monotonic seconds). ``hashes`` are
+        distinct, as a chain's are."""
         if ttl <= 0 or not hashes:
             return
         expiry = now + ttl
         by_hash = self.by_hash
+        new: dict[str, Any] | None = None  # the entry the unclaimed hashes share
+        fresh = 0
         added = 0
+        # Shared entries met, with how many of ``hashes`` point at each (runs of the
+        # same entry are counted without a dict operation: a chain's hashes come in runs).
+        met: dict[int, list[Any]] = {}
+        run: dict[str, Any] | None = None
+        run_n = 0
         for h in hashes:
             e = by_hash.get(h)
             if e is None:
-                by_hash[h] = {
-                    BITS: bit,
-                    SOONEST: expiry,
-                    GENERATION: generation,
-                    COMPUTED: -INF,
-                    worker_id: expiry,
-                }
-                added += 1
+                if new is None:
+                    new = {
+                        BITS: bit,
+                        SOONEST: expiry,
+                        GENERATION: generation,
+                        COMPUTED: -INF,
+                        REFS: 0,
+                        worker_id: expiry,
+                    }
+                by_hash[h] = new
+                fresh += 1
+            elif e is new:
                 continue
-            was = e.get(worker_id)
-            e[worker_id] = expiry
-            if was is not None and was > e[COMPUTED]:
-                # A renewal of an entry live at the last recompute (or added since):
-                # its bit is in BITS already; only a shorter hold moves SOONEST.
-                if expiry < e[SOONEST]:
-                    e[SOONEST] = expiry
-                continue
-            if was is None:
-                added += 1
-            if e[GENERATION] == generation:
-                e[BITS] |= bit
-                if expiry < e[SOONEST]:
-                    e[SOONEST] = expiry
-        self.pairs += added
+            elif e[REFS] == 1:
+                added += _hold(e, worker_id, expiry, bit, generation)
+            elif e is run:
+                run_n += 1
+            else:
+                if run is not None:
+                    _count(met, run, run_n)
+                run, run_n = e, 1
+        if run is not None:
+            _count(met, run, run_n)
+        partly: set[int] = set()
+        for e, n in met.values():
+            if n == e[REFS]:  # every hash sharing it is held: one change for all
+                added += n * _hold(e, worker_id, expiry, bit, generation)
+            else:
+                partly.add(id(e))
+        if partly:  # entries only some of whose hashes are held: those get own copies
+            for h in hashes:
+                e = by_hash[h]
+                if id(e) in partly:
+                    mine = by_hash[h] = _own_copy(e)
+                    added += _hold(mine, worker_id, expiry, bit, generation)
+        if new is not None:
+            new[REFS] = fresh
+        self.pairs += added + fresh
         self.added += 1
         heapq.heappush(self._heap, (expiry, self.added, worker_id, tuple(hashes)))
 
@@ -100,12 +137,16 @@ class Speculation:
         by_hash = self.by_hash
         for h in hashes:
             e = by_hash.get(h)
-            if e is not None and e.pop(worker_id, None) is not None:
-                self.pairs -= 1
-                if len(e) > META:
-                    e[GENERATION] = STALE
-                else:
-                    del by_hash[h]
+            if e is None or worker_id not in e:
+                continue
+            if e[REFS] > 1:  # rare (a failed request): no need to change shared ones once
+                e = by_hash[h] = _own_copy(e)
+            del e[worker_id]
+            self.pairs -= 1
+            if len(e) > META:
+                e[GENERATION] = STALE
+            else:
+                del by_hash[h]
 
     def prune(self, now: float, limit: int = 0) -> int:
         """Drops expired entries; returns how many went. O(expired).
@@ -127,9 +168,12 @@ class Speculation:
                     # The bitset may keep w's bit: SOONEST is at most w's expiry, so no
                     # lookup from now on takes the cached bitset without recomputing.
                     del e[w]
-                    gone += 1
-                    if len(e) == META:
-                        del by_hash[h]
+                    gone += e[REFS]
+                # An entry shared with other hashes may have been emptied through one
+                # of them already: each of its hashes lets go of it here.
+                if len(e) == META:
+                    del by_hash[h]
+                    e[REFS] -= 1
         self.pairs -= gone
         return gone
 
@@ -142,3 +186,37 @@ class Speculation:
     def nbytes(self) -> int:
         """Estimated memory of the entries and the heap."""
         return len(self.by_hash) * 380 + len(self._heap) * 120
+
+
+def _hold(e: dict[str, Any], worker_id: str, expiry: float, bit: int, generation: int) -> int:
+    """Sets ``worker_id``'s expiry in entry ``e``; 1 when the worker is new to it."""
+    was = e.get(worker_id)
+    e[worker_id] = expiry
+    if was is not None and was > e[COMPUTED]:
+        # A renewal of an entry live at the last recompute (or added since):
+        # its bit is in BITS already; only a shorter hold moves SOONEST.
+        if expiry < e[SOONEST]:
+            e[SOONEST] = expiry
+        return 0
+    if e[GENERATION] == generation:
+        e[BITS] |= bit
+        if expiry < e[SOONEST]:
+            e[SOONEST] = expiry
+    return 1 if was is None else 0
+
+
+def _count(met: dict[int, list[Any]], e: dict[str, Any], n: int) -> None:
+    """Adds a run of ``n`` hashes that share entry ``e`` to ``met``."""
+    seen = met.get(id(e))
+    if seen is None:
+        met[id(e)] = [e, n]
+    else:
+        seen[1] += n
+
+
+def _own_copy(e: dict[str, Any]) -> dict[str, Any]:
+    """A copy of shared entry ``e`` for one of its hashes (which then stops sharing ``e``)."""
+    e[REFS] -= 1
+    mine = dict(e)
+    mine[REFS] = 1
+    return mine
