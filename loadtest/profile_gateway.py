@@ -114,7 +114,14 @@ def split_samples(folded: str) -> tuple[dict[str, int], int]:
     return dict(steps), sum(steps.values())
 
 
-def profile(router: str, workload: str, concurrency: int, seconds: float, rate: int) -> Any:
+def profile(
+    router: str,
+    workload: str,
+    concurrency: int,
+    seconds: float,
+    rate: int,
+    raw_out: Path | None = None,
+) -> Any:
     spy_bin = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(spy_bin).exists():
         raise SystemExit("py-spy is not installed: pip install py-spy (the loadtest extra)")
@@ -152,6 +159,8 @@ def profile(router: str, workload: str, concurrency: int, seconds: float, rate: 
             if spy.returncode != 0 or not out.exists():
                 raise SystemExit(f"py-spy failed: {err.decode(errors='replace').strip()[-300:]}")
             samples = out.read_text()
+            if raw_out is not None:
+                raw_out.write_text(samples)
         finally:
             proc.close()
     n = len(run["latencies_ms"])
@@ -184,11 +193,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--rate", type=int, default=500, help="py-spy samples a second")
+    parser.add_argument(
+        "--raw-out",
+        type=Path,
+        help="also keep py-spy's folded stacks here (for a flame graph or a closer look)",
+    )
     args = parser.parse_args(argv)
     if args.router.endswith("_baseline"):
         parser.error("a *_baseline router needs bench_overhead's --baseline-tree")
     with sigterm_as_ctrl_c():
-        result = profile(args.router, args.workload, args.concurrency, args.seconds, args.rate)
+        result = profile(
+            args.router, args.workload, args.concurrency, args.seconds, args.rate, args.raw_out
+        )
     result["command"] = "python -m loadtest.profile_gateway " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
