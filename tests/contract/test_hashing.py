@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 import xxhash
 from hypothesis import given
@@ -63,6 +64,19 @@ def test_bad_input_raises_value_error() -> None:
         block_hash(0, [1], spec)
     with pytest.raises(ValueError, match="longer"):
         extend_block_hashes([1, 2], [1, 2], spec)
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        block_hashes([1, 2.0], spec)  # a float is not a token id, even a whole one
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        block_hashes(np.array([1, -1]), spec)
+
+
+def test_lists_and_arrays_of_ids_hash_alike() -> None:
+    # Lists go through a C array, arrays through numpy: the same bytes either way.
+    spec = HashSpec(block_size=4)
+    ids = [0, 1, 2**32 - 1, 49_151, 7, 2**31, 3, 9]
+    assert block_hashes(ids, spec) == block_hashes(np.array(ids, dtype=np.int64), spec)
+    assert block_hashes(ids, spec) == block_hashes(np.array(ids, dtype=np.uint32), spec)
+    assert block_hashes(tuple(ids), spec) == block_hashes(ids, spec)
 
 
 tokens_st = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=200)
