@@ -42,8 +42,9 @@ INF = float("inf")
 # Only strings as keys (CPython's faster lookup) and ints, floats and strings as
 # values: the garbage collector does not track such a dict, and a busy gateway holds
 # hundreds of thousands (as lists they made its collections cost 10 % more CPU).
-BITS, SOONEST, GENERATION, COMPUTED, REFS = " bits", " soonest", " generation", " computed", " refs"
-META = 5  # keys of an entry that are not workers
+BITS, SOONEST, GENERATION, COMPUTED = " bits", " soonest", " generation", " computed"
+REFS, HOLD = " refs", " hold"
+META = 6  # keys of an entry that are not workers
 STALE = -1
 
 
@@ -60,7 +61,10 @@ class Speculation:
 
     def __init__(self) -> None:
         self.by_hash: dict[int, dict[str, Any]] = {}
-        self._heap: list[tuple[float, int, str, tuple[int, ...]]] = []
+        self._heap: list[tuple[float, int]] = []  # (expiry, hold number)
+        # hold number -> (worker, hashes), until it expires or a later hold supersedes it
+        self._holds: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self._held = 0  # hashes in those
         self.added = 0  # speculate() calls so far
         self.pairs = 0  # (hash, worker) entries, expired ones included until pruned
 
@@ -98,6 +102,7 @@ class Speculation:
                         GENERATION: generation,
                         COMPUTED: -INF,
                         REFS: 0,
+                        HOLD: self.added + 1,
                         worker_id: expiry,
                     }
                 by_hash[h] = new
@@ -118,6 +123,7 @@ class Speculation:
         for e, n in met.values():
             if n == e[REFS]:  # every hash sharing it is held: one change for all
                 added += n * _hold(e, worker_id, expiry, bit, generation)
+                self._supersede(e, worker_id)
             else:
                 partly.add(id(e))
         if partly:  # entries only some of whose hashes are held: those get own copies
@@ -130,7 +136,21 @@ class Speculation:
             new[REFS] = fresh
         self.pairs += added + fresh
         self.added += 1
-        heapq.heappush(self._heap, (expiry, self.added, worker_id, tuple(hashes)))
+        self._holds[self.added] = (worker_id, tuple(hashes))
+        self._held += len(hashes)
+        heapq.heappush(self._heap, (expiry, self.added))
+
+    def _supersede(self, e: dict[str, Any], worker_id: str) -> None:
+        """Forgets the hold that made entry ``e`` when ``worker_id``'s hold, which covers
+        every hash of ``e``, covers all of that hold's too: whatever expiry it set is
+        overwritten, so its expiry would find nothing to drop. A request's hold while it
+        waits for its first token (up to a minute) is superseded at its first token by
+        the short grace: its hashes are not kept for a minute after that grace expired.
+        """
+        made = self._holds.get(e[HOLD])
+        if made is not None and made[0] == worker_id and len(made[1]) == e[REFS]:
+            del self._holds[e[HOLD]]
+            self._held -= len(made[1])
 
     def withdraw(self, worker_id: str, hashes: Sequence[int]) -> None:
         """Forgets ``worker_id``'s entries for ``hashes`` at once (their heap items stay)."""
@@ -158,7 +178,11 @@ class Speculation:
         gone = 0
         heap, by_hash = self._heap, self.by_hash
         while heap and heap[0][0] <= now and not (limit and gone >= limit):
-            _, _, w, hashes = heapq.heappop(heap)
+            made = self._holds.pop(heapq.heappop(heap)[1], None)
+            if made is None:  # superseded
+                continue
+            w, hashes = made
+            self._held -= len(hashes)
             for h in hashes:
                 e = by_hash.get(h)
                 if e is None:
@@ -179,13 +203,13 @@ class Speculation:
 
     def drop_worker(self, worker_id: str) -> None:
         """Forgets every entry of ``worker_id`` (its heap items stay until they expire)."""
-        for _, _, w, hashes in self._heap:
+        for w, hashes in self._holds.values():
             if w == worker_id:
                 self.withdraw(worker_id, hashes)
 
     def nbytes(self) -> int:
         """Estimated memory of the entries and the heap."""
-        return len(self.by_hash) * 380 + len(self._heap) * 120
+        return len(self.by_hash) * 380 + len(self._heap) * 80 + self._held * 8
 
 
 def _hold(e: dict[str, Any], worker_id: str, expiry: float, bit: int, generation: int) -> int:

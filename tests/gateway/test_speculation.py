@@ -28,6 +28,26 @@ def test_a_cold_chain_shares_one_entry_and_a_renewal_changes_it_once() -> None:
     assert spec.prune(now=100.0) == 0  # the routing's hold finds nothing left
 
 
+def test_a_renewal_of_every_hash_supersedes_the_hold_it_renews() -> None:
+    # A request's hold while it waits (first-token timeout + grace) is renewed with the
+    # grace at its first token: the first hold's hashes are not kept until it expires.
+    spec = Speculation()
+    spec.add("a", [1, 2, 3], now=0.0, ttl=62.0, bit=1, generation=0)
+    spec.add("a", [1, 2, 3], now=1.0, ttl=2.0, bit=1, generation=0)
+    assert [hashes for _, hashes in spec._holds.values()] == [(1, 2, 3)]
+    assert spec.nbytes() < 3 * 380 + 2 * 80 + 6 * 8
+    assert spec.prune(now=3.0) == 3 and spec._holds == {} and spec.by_hash == {}
+    assert spec.prune(now=62.0) == 0
+    # Renewing part of it, or another worker holding all of it, keeps the first hold.
+    spec.add("a", [1, 2, 3], now=100.0, ttl=62.0, bit=1, generation=0)
+    spec.add("a", [1, 2], now=101.0, ttl=2.0, bit=1, generation=0)
+    spec.add("b", [1, 2, 3], now=101.0, ttl=2.0, bit=2, generation=0)
+    assert len(spec._holds) == 3
+    assert spec.prune(now=103.0) == 5
+    assert _entries(spec) == {3: {"a": 162.0}}
+    assert spec.prune(now=162.0) == 1 and spec.by_hash == {} and spec._holds == {}
+
+
 def test_a_hold_on_part_of_a_shared_entry_copies_just_that_part() -> None:
     spec = Speculation()
     spec.add("a", [1, 2, 3, 4], now=0.0, ttl=5.0, bit=1, generation=0)
@@ -114,5 +134,6 @@ def test_speculation_equals_a_plain_model_of_expiring_holds() -> None:
             for e in spec.by_hash.values():
                 refs[id(e)] = refs.get(id(e), 0) + 1
             assert all(e[REFS] == refs[id(e)] for e in spec.by_hash.values())
+            assert spec._held == sum(len(hashes) for _, hashes in spec._holds.values())
         index.prune(now + 100.0)
-        assert spec.by_hash == {} and spec.pairs == 0
+        assert spec.by_hash == {} and spec.pairs == 0 and spec._holds == {}
