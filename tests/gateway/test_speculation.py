@@ -137,3 +137,13 @@ def test_speculation_equals_a_plain_model_of_expiring_holds() -> None:
             assert spec._held == sum(len(hashes) for _, hashes in spec._holds.values())
         index.prune(now + 100.0)
         assert spec.by_hash == {} and spec.pairs == 0 and spec._holds == {}
+
+
+def test_a_repeated_hash_is_one_hash() -> None:
+    # [1, 1] must not count as covering both hashes of the entry [1, 2] shares.
+    spec = Speculation()
+    spec.add("a", [1, 2], now=0.0, ttl=5.0, bit=1, generation=0)
+    spec.add("b", [1, 1], now=0.0, ttl=5.0, bit=2, generation=0)
+    assert _entries(spec) == {1: {"a": 5.0, "b": 5.0}, 2: {"a": 5.0}}
+    assert spec.pairs == 3
+    assert spec.prune(now=5.0) == 3 and spec.by_hash == {}
