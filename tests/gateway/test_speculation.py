@@ -6,6 +6,7 @@ import random
 
 from gateway.routing.index import BlockIndex
 from gateway.routing.speculation import META, REFS, Speculation
+from tests.gateway.test_index import _reference_prefix
 
 
 def _entries(spec: Speculation) -> dict[int, dict[str, float]]:
@@ -115,14 +116,7 @@ def test_speculation_equals_a_plain_model_of_expiring_holds() -> None:
                     f"w{i}": {h for (x, h), e in model.items() if x == f"w{i}" and e > now}
                     for i in range(6)
                 }
-                expect = {}
-                for x, hs in held.items():
-                    n = 0
-                    while n < len(probe) and probe[n] in hs:
-                        n += 1
-                    if n:
-                        expect[x] = n
-                assert index.longest_prefix(probe, now) == expect
+                assert index.longest_prefix(probe, now) == _reference_prefix(held, probe)
             live = {(w, h): x for h, e in _entries(spec).items() for w, x in e.items()}
             # Expired pairs not pruned yet may linger in the index; the model keeps them too
             # until a full prune, so compare the pairs that have not expired, and the counts.
