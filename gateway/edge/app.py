@@ -28,7 +28,7 @@ from gateway.edge.openapi import openapi_spec
 from gateway.observe import dashboard
 from gateway.observe.access_log import log_access
 from gateway.observe.fleet_window import FleetWindow
-from gateway.observe.loop_lag import watch_loop_lag
+from gateway.observe.loop_lag import watch_gc_pauses, watch_loop_lag
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.window_stats import RollingStats
 from gateway.routing.dispatch import Dispatcher
@@ -198,6 +198,7 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
             watch_loop_lag(state.metrics.event_loop_lag_seconds), name="kvroute-loop-lag"
         ),
     }
+    stop_gc_watch = watch_gc_pauses(state.metrics.gc_pause_seconds)
     replicas = state.dispatcher.replicas
     if replicas is not None:
         tasks.update(replicas.start())
@@ -221,6 +222,7 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         _, tasks = await asyncio.wait(tasks, timeout=1.0)
     for upstream in state.dispatcher.upstreams.values():
         await upstream.close()
+    stop_gc_watch()
 
 
 def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -> GatewayState:

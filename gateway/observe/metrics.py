@@ -31,7 +31,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from gateway.observe.loop_lag import LAG_BUCKETS
+from gateway.observe.loop_lag import GC_BUCKETS, LAG_BUCKETS
 
 _ROUTING_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -104,6 +104,13 @@ class GatewayMetrics:
             p + "event_loop_lag_seconds",
             "How late the event loop woke from a 0.25 s sleep (gateway.observe.loop_lag)",
             buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        self.gc_pause_seconds = Histogram(
+            p + "gc_pause_seconds",
+            "How long each garbage collection held the process, by generation",
+            ["generation"],
+            buckets=GC_BUCKETS,
             registry=r,
         )
         self.ttft_seconds = Histogram(

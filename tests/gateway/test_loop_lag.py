@@ -43,3 +43,39 @@ async def test_the_gateway_exports_its_loop_lag(make_gateway: MakeGateway) -> No
         if line.startswith("kvroute_gateway_event_loop_lag_seconds_count")
     ]
     assert count and float(count[0].split()[-1]) >= 1
+
+
+def test_every_garbage_collection_is_timed_by_generation() -> None:
+    import gc
+
+    from gateway.observe.loop_lag import GC_BUCKETS, watch_gc_pauses
+
+    registry = CollectorRegistry()
+    pauses = Histogram("gc_seconds", "", ["generation"], buckets=GC_BUCKETS, registry=registry)
+    stop = watch_gc_pauses(pauses)
+    try:
+        assert registry.get_sample_value("gc_seconds_count", {"generation": "1"}) == 0
+        gc.collect(1)
+        gc.collect()
+    finally:
+        stop()
+    gc.collect()  # after stop: not counted
+    assert registry.get_sample_value("gc_seconds_count", {"generation": "2"}) == 1
+    assert registry.get_sample_value("gc_seconds_count", {"generation": "1"}) == 1
+    assert registry.get_sample_value("gc_seconds_sum", {"generation": "2"}) > 0
+    stop()  # twice: nothing to undo
+
+
+async def test_the_gateway_exports_its_gc_pauses(make_gateway: MakeGateway) -> None:
+    import gc
+
+    gateway = await make_gateway()
+    gc.collect()
+    async with gateway.client.get("/metrics") as resp:
+        text = await resp.text()
+    full = [
+        line
+        for line in text.splitlines()
+        if line.startswith('kvroute_gateway_gc_pause_seconds_count{generation="2"}')
+    ]
+    assert full and float(full[0].split()[-1]) >= 1
