@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from gateway.observe.loop_lag import LAG_BUCKETS, watch_loop_lag
+from gateway.observe.loop_lag import GC_BUCKETS, LAG_BUCKETS, watch_gc_pauses, watch_loop_lag
 from tests.gateway.conftest import MakeGateway
 
 
@@ -35,21 +37,19 @@ async def test_a_blocked_loop_is_observed_and_logged(caplog: pytest.LogCaptureFi
 async def test_the_gateway_exports_its_loop_lag(make_gateway: MakeGateway) -> None:
     gateway = await make_gateway()
     await asyncio.sleep(0.6)  # two wake-ups of the 0.25 s watcher
+    assert await _sample(gateway, "kvroute_gateway_event_loop_lag_seconds_count") >= 1
+
+
+async def _sample(gateway: Any, series: str) -> float:
+    """The value of ``series`` (name and labels as exported) on the gateway's /metrics."""
     async with gateway.client.get("/metrics") as resp:
         text = await resp.text()
-    count = [
-        line
-        for line in text.splitlines()
-        if line.startswith("kvroute_gateway_event_loop_lag_seconds_count")
-    ]
-    assert count and float(count[0].split()[-1]) >= 1
+    found = [line for line in text.splitlines() if line.startswith(series + " ")]
+    assert found, f"{series} is not exported"
+    return float(found[0].split()[-1])
 
 
 def test_every_garbage_collection_is_timed_by_generation() -> None:
-    import gc
-
-    from gateway.observe.loop_lag import GC_BUCKETS, watch_gc_pauses
-
     registry = CollectorRegistry()
     pauses = Histogram("gc_seconds", "", ["generation"], buckets=GC_BUCKETS, registry=registry)
     stop = watch_gc_pauses(pauses)
@@ -67,15 +67,6 @@ def test_every_garbage_collection_is_timed_by_generation() -> None:
 
 
 async def test_the_gateway_exports_its_gc_pauses(make_gateway: MakeGateway) -> None:
-    import gc
-
     gateway = await make_gateway()
     gc.collect()
-    async with gateway.client.get("/metrics") as resp:
-        text = await resp.text()
-    full = [
-        line
-        for line in text.splitlines()
-        if line.startswith('kvroute_gateway_gc_pause_seconds_count{generation="2"}')
-    ]
-    assert full and float(full[0].split()[-1]) >= 1
+    assert await _sample(gateway, 'kvroute_gateway_gc_pause_seconds_count{generation="2"}') >= 1
