@@ -163,7 +163,7 @@ class Speculation:
             e = by_hash.get(h)
             if e is None or worker_id not in e:
                 continue
-            if e[REFS] > 1:  # rare (a failed request): no need to change shared ones once
+            if e[REFS] > 1:  # withdrawals are rare (failed requests): a copy per hash is fine
                 e = by_hash[h] = _own_copy(e)
             del e[worker_id]
             self.pairs -= 1
