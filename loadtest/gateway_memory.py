@@ -22,11 +22,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench_overhead import ROOT, WORKLOADS, _load, fake_fleet, make_bodies
+from loadtest.bench_overhead import (
+    ROOT,
+    WORKLOADS,
+    FakeFleet,
+    _load,
+    fake_fleet,
+    make_bodies,
+)
 from loadtest.fleet import sigterm_as_ctrl_c
 
 
-def measure(tree: Path, workload: str, seconds: float, concurrency: int, fleet: Any) -> Any:
+def measure(
+    tree: Path, workload: str, seconds: float, concurrency: int, fleet: FakeFleet
+) -> dict[str, Any]:
     """One gateway from ``tree`` loaded for ``seconds``; its RSS before and after."""
     proc = fleet.router("kvroute", tree)
     try:
