@@ -303,6 +303,7 @@ def run(cfg: BenchConfig) -> dict:
         and result["ttft_ratio"] >= TTFT_RATIO_TARGET
         and result["throughput_ratio"] >= THROUGHPUT_RATIO_TARGET
     )
+    return result
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
