@@ -53,11 +53,18 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 class EngineClock:
-    """Engine seconds so far: the engine thread's CPU time plus the emulated runner's sleep."""
+    """Engine seconds so far: the engine thread's CPU time plus the emulated runner's sleep.
 
-    def __init__(self, runner: Any) -> None:
+    ``older`` are the threads that ran before this engine started. The previous
+    engine's thread can outlive its ``shutdown`` by a moment; once, in CI, its
+    clock was read instead, stood still, and a decode batch took 0 s.
+    """
+
+    def __init__(self, runner: Any, older: set[threading.Thread]) -> None:
         self.runner = runner
-        engine_thread = next(t for t in threading.enumerate() if t.name == "kvroute-engine")
+        engine_thread = next(
+            t for t in threading.enumerate() if t.name == "kvroute-engine" and t not in older
+        )
         assert engine_thread.ident is not None
         self.clock = time.pthread_getcpuclockid(engine_thread.ident)
 
@@ -112,9 +119,10 @@ def run_engine(runner: Any, sampler: Any = None) -> dict[str, float]:
         hash_spec=HashSpec(block_size=16, model="calibration"),
         sampler=sampler,
     )
+    older = set(threading.enumerate())
     engine.start()
     try:
-        return asyncio.run(scenario(engine, EngineClock(runner)))
+        return asyncio.run(scenario(engine, EngineClock(runner, older)))
     finally:
         engine.shutdown()
 
