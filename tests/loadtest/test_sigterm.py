@@ -18,9 +18,12 @@ _BENCH = """
 import subprocess, sys, time
 from loadtest.fleet import sigterm_as_ctrl_c
 child = subprocess.Popen(["sleep", "60"])
-print(child.pid, flush=True)
 try:
     with sigterm_as_ctrl_c():
+        # Only now, with the handler in place: a SIGTERM sent as soon as the pid was
+        # read once came before the handler on a loaded CI host and killed the
+        # benchmark outright, leaving the child alive.
+        print(child.pid, flush=True)
         time.sleep(60)
 finally:
     child.kill()
