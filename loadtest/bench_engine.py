@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from loadtest.fleet import sigterm_as_ctrl_c
 from loadtest.hf_reference import hf_reference, run_hf_part
 
 logger = logging.getLogger(__name__)
@@ -374,7 +375,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = parse_args(argv)
-    result = run(cfg)
+    with sigterm_as_ctrl_c():  # --against vllm starts a vLLM server, a worker and Redis
+        result = run(cfg)
     print(json.dumps(result, indent=2))  # the benchmark's output is its JSON
     return 0
 

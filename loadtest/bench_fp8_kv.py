@@ -34,6 +34,8 @@ import json
 import sys
 from typing import Any
 
+from loadtest.fleet import sigterm_as_ctrl_c
+
 INSTRUCTIONS = [
     "Explain how a refrigerator keeps food cold.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -197,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.new_tokens < 1:
         raise ValueError(f"--new-tokens {args.new_tokens}: must be >= 1")
+    with sigterm_as_ctrl_c():  # --against vllm starts vLLM servers
+        result = _measure(args)
+    print(json.dumps(result, indent=2))  # the benchmark's output is its JSON
+    return 0
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
     prompts = chat_prompts(args.model, args.prompts)
     ref, ref_bytes = asyncio.run(
         generate_all(args.model, args.dtype, "auto", prompts, args.new_tokens)
@@ -227,8 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         result["vllm"] = vllm_agreement(args, prompts, ref)
     result["target"] = args.target
     result["target_met"] = result["agreement"] >= args.target
-    print(json.dumps(result, indent=2))  # the benchmark's output is its JSON
-    return 0
+    return result
 
 
 if __name__ == "__main__":

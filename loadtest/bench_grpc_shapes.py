@@ -48,7 +48,7 @@ import grpc
 
 from contract import frames
 from contract import worker_pb2 as pb
-from loadtest.fleet import free_port
+from loadtest.fleet import free_port, sigterm_as_ctrl_c
 
 MODES = ("unary_stream", "unary_stream_1", "unary", "bidi_mux", "frames")
 SERVICE = "/kvroute.bench.Shapes/"
@@ -320,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.rounds < 1 or args.requests < 1 or args.concurrency < 1:
         parser.error("--rounds, --requests and --concurrency must be >= 1")
-    print(json.dumps(run(args.rounds, args.requests, args.concurrency), indent=2))
+    with sigterm_as_ctrl_c():  # the rounds start a server and client processes
+        result = run(args.rounds, args.requests, args.concurrency)
+    print(json.dumps(result, indent=2))
     return 0
 
 

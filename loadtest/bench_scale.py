@@ -57,6 +57,7 @@ import psutil
 
 from gateway.routing.index import BlockIndex
 from loadtest.bench_dispatch import sent_and_finished
+from loadtest.fleet import sigterm_as_ctrl_c
 from loadtest.scale_dispatcher import chain_job, fleet_dispatcher
 from loadtest.scale_redis import bench_redis
 
@@ -302,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     fleets = [_fleet(f) for f in args.fleets.split(",") if f]
-    result = run(fleets, args.lookups, args.quick)
+    with sigterm_as_ctrl_c():  # the Redis figures start their own redis-server
+        result = run(fleets, args.lookups, args.quick)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:

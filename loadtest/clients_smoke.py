@@ -32,7 +32,7 @@ from typing import Any
 
 from loadtest.child_logs import ChildLog
 from loadtest.client_runs import CLIENTS, ROOT, RUNNERS, SmokeConfig, Target, client_entry
-from loadtest.fleet import free_port
+from loadtest.fleet import free_port, sigterm_as_ctrl_c
 
 PROMPT_COUNTER = "kvroute_gateway_prompt_tokens_total"
 CACHED_COUNTER = "kvroute_gateway_cached_tokens_total"
@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         out_dir=Path(args.out_dir).resolve(),
     )
     command = shlex.join([".venv/bin/python", "-m", "loadtest.clients_smoke", *argv])
-    print(json.dumps(assemble(smoke(cfg, clients), command)))
+    with sigterm_as_ctrl_c():  # the smoke starts a fleet and each client's process
+        results = smoke(cfg, clients)
+    print(json.dumps(assemble(results, command)))
     return 0
 
 

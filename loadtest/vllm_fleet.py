@@ -28,7 +28,7 @@ from pathlib import Path
 
 from contract.model_paths import served_model_name
 from loadtest.child_logs import ChildLog, echo_target
-from loadtest.fleet import Fleet, FleetConfig, WorkerProcess, free_port
+from loadtest.fleet import Fleet, FleetConfig, WorkerProcess, free_port, sigterm_as_ctrl_c
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = ROOT / ".venv-vllm"
@@ -308,7 +308,7 @@ class VllmFleet(Fleet):
 def _main() -> int:
     """``python -m loadtest.vllm_fleet``: starts a 2-worker fleet and prints its URLs."""
     fleet = VllmFleet(FleetConfig(workers=2, echo_logs=True))
-    with fleet:
+    with sigterm_as_ctrl_c(), fleet:
         print(fleet.gateway_url, [s.url for s in fleet.servers], fleet.startup_s, file=sys.stderr)
         with contextlib.suppress(KeyboardInterrupt):
             while True:

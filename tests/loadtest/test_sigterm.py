@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from loadtest.fleet import sigterm_as_ctrl_c
 
@@ -63,3 +66,33 @@ def test_the_previous_handler_comes_back() -> None:
     with sigterm_as_ctrl_c():
         assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.parametrize(
+    ("module", "inner", "argv"),
+    [
+        ("loadtest.bench_engine", "run", []),
+        ("loadtest.bench_fp8_kv", "_measure", []),
+        ("loadtest.bench_grpc_shapes", "run", []),
+        ("loadtest.bench_scale", "run", ["--fleets", "10x100"]),
+        ("loadtest.clients_smoke", "smoke", []),
+    ],
+)
+def test_benchmarks_that_start_processes_measure_under_the_handler(
+    module: str, inner: str, argv: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Killed by SIGTERM without it, bench_engine --against vllm left its kvroute worker
+    # running (December 2026): each of these starts servers or workers in ``inner``.
+    mod = importlib.import_module(module)
+    seen = []
+
+    def record(*_args: object, **_kwargs: object) -> dict[str, object]:
+        seen.append(signal.getsignal(signal.SIGTERM))
+        return {}
+
+    monkeypatch.setattr(mod, inner, record)
+    if module == "loadtest.clients_smoke":
+        monkeypatch.setattr(mod, "assemble", lambda results, command: results)
+    assert mod.main(argv) == 0
+    assert seen == [signal.default_int_handler]
+    assert signal.getsignal(signal.SIGTERM) is not signal.default_int_handler
