@@ -381,8 +381,7 @@ def test_round_robin_caches_less_than_kvroute(fleet: Fleet) -> None:
         # follow-ups, timed on a loaded CI host) once moved a follow-up off its history.
         client = fleet.client(gateway)
         rng = random.Random(seed)
-        prompt = cached = 0
-        turns = []
+        turns, follow_ups = [], []
         for _conv in range(2):
             messages = [{"role": "user", "content": _words(rng, 360)}]
             for turn in range(4):
@@ -392,13 +391,12 @@ def test_round_robin_caches_less_than_kvroute(fleet: Fleet) -> None:
                     (worker, reason, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens)
                 )
                 if turn:
-                    prompt += usage.prompt_tokens
-                    cached += usage.prompt_tokens_details.cached_tokens
+                    follow_ups.append(turns[-1])
                 messages += [
                     {"role": "assistant", "content": body.choices[0].message.content},
                     {"role": "user", "content": _words(rng, 10)},
                 ]
-        return cached / prompt, turns
+        return sum(t[3] for t in follow_ups) / sum(t[2] for t in follow_ups), turns
 
     kv, kv_turns = cached_share("kvroute", 200)
     rr, rr_turns = cached_share("round_robin", 300)
