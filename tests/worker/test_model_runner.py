@@ -361,3 +361,18 @@ def test_chunk_outside_its_block_table_is_refused(tiny_llama: Path):
         runner.execute([SeqChunk(list(range(9)), 0, [0, 1], True)])
     with pytest.raises(ValueError, match="exceed"):
         runner.execute([SeqChunk([1], 4096, list(range(8)) * 200, True)])
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="oneDNN packing is a CPU path")
+def test_a_dtype_this_cpu_cannot_pack_is_warned_about(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    caplog.set_level("WARNING", logger="worker.model.runner")
+    make_runner(tiny_llama, block_size=4, num_blocks=8)
+    assert not [r for r in caplog.records if "no oneDNN kernels" in r.getMessage()]
+    # A CPU without AVX512-BF16: bfloat16 weights stay unpacked.
+    monkeypatch.setattr("worker.model.llama._can_pack", lambda dtype: dtype == torch.float32)
+    runner = make_runner(tiny_llama, block_size=4, num_blocks=8, dtype="bfloat16")
+    assert runner.weights.lm_head.packed is None
+    warned = [r.getMessage() for r in caplog.records if "no oneDNN kernels" in r.getMessage()]
+    assert warned and "--dtype bfloat16" in warned[0]
