@@ -207,7 +207,7 @@ class Linear:
         self.bias = bias
         self.out_features = weight.shape[0]
         self.packed: torch.Tensor | None = None
-        if weight.device.type == "cpu" and _can_pack(weight.dtype):
+        if weight.device.type == "cpu" and can_pack(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
         self.weight: torch.Tensor | None = weight if keep or self.packed is None else None
 
@@ -222,7 +222,8 @@ class Linear:
 PACK_BATCH_HINT = 8
 
 
-def _can_pack(dtype: torch.dtype) -> bool:
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has packed-weight kernels for ``dtype`` on this CPU."""
     if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.float32:

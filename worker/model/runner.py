@@ -35,6 +35,7 @@ from worker.model.llama import (
     LayerWeights,
     ModelSpec,
     apply_rope,
+    can_pack,
     load_weights,
     mlp,
     read_model_spec,
@@ -129,13 +130,17 @@ class ModelRunner:
             logger.info("capping max_model_len at the sliding window %d", spec.sliding_window)
             self.max_model_len = spec.sliding_window
         self.weights = load_weights(path, spec, self.dtype, self.device)
-        if self.device.type == "cpu" and self.weights.lm_head.packed is None:
+        if (
+            self.device.type == "cpu"
+            and self.weights.lm_head.packed is None
+            and can_pack(torch.float32)
+        ):
             # Measured on an AVX2-only EPYC: a 2,048-token prefill 4.7x slower in
             # bfloat16 than in float32 (46.8 against 9.9 s), decode 2.7x slower.
             logger.warning(
-                "--dtype %s: this CPU has no oneDNN kernels for it (bfloat16 needs "
-                "AVX512-BF16 or AMX, float16 AVX512-FP16), so every matmul takes a "
-                "slow path; float32 is several times faster here",
+                "--dtype %s: oneDNN has no packed-weight kernels for it on this CPU "
+                "(bfloat16 needs AVX512-BF16 or AMX), so every matmul takes a slower "
+                "path; float32 may be several times faster here",
                 dtype,
             )
         self._cos, self._sin = rope_tables(
