@@ -190,6 +190,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 and scaled in the model dtype, as transformers does."""
+    if x.dtype == torch.float32:
+        # One call instead of three: the same products in the same order, and a
+        # decode step runs 2 x layers + 1 of them (1.3 % of a SmolLM2 step).
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return weight * normed.to(x.dtype)
 

@@ -240,7 +240,7 @@ class ModelRunner:
         spec = self.spec
         if not chunks:
             return torch.empty(0, self.vocab_size, device=self.device)
-        plan = build_plan(chunks, self.block_size, self.max_model_len, self.device)
+        plan = build_plan(chunks, self.block_size, self.max_model_len, self.device, self.dtype)
         cos = self._cos[plan.positions].unsqueeze(1)
         sin = self._sin[plan.positions].unsqueeze(1)
         eps = spec.rms_norm_eps
