@@ -90,6 +90,7 @@ from redis.exceptions import RedisError
 
 from gateway.routing.index import BlockIndex
 from gateway.routing.load import GatewayLoad
+from gateway.routing.mirror_state import raise_if_cancelled
 from gateway.routing.prefix_demand import PrefixDemand
 from gateway.routing.sessions import SessionMap
 
@@ -288,6 +289,7 @@ class ReplicaSync:
         last_whole = 0.0
         try:
             while True:
+                raise_if_cancelled()  # redis-py may have swallowed the cancel
                 try:
                     await asyncio.wait_for(self._wake.wait(), KEEPALIVE_S)
                     await asyncio.sleep(FLUSH_S)
@@ -434,6 +436,7 @@ class ReplicaSync:
         outage = _Outage("read the peers' entries", "routing from the local view")
         try:
             while True:
+                raise_if_cancelled()  # redis-py may have swallowed the cancel
                 try:
                     reply = await client.xread(
                         {self.stream_key: last}, count=READ_COUNT, block=int(KEEPALIVE_S * 1000)

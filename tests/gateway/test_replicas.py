@@ -348,9 +348,12 @@ async def test_a_long_flush_goes_in_batches_a_peer_applies_in_order(redis_url: s
     redis = aioredis.Redis.from_url(redis_url)
     try:
         # b follows from its first read on: a's flush must come after it.
-        while b.applied == 0:
-            await redis.xadd(key, {"g": "probe", "l": "{}"})
-            await asyncio.sleep(0.05)
+        async def probe() -> None:
+            while b.applied == 0:
+                await redis.xadd(key, {"g": "probe", "l": "{}"})
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(probe(), 10.0)
         tasks += a.start()
         last = f"s{routes - 1}"  # entries apply in order: the last one, then all
         await eventually(
@@ -370,6 +373,71 @@ async def test_a_long_flush_goes_in_batches_a_peer_applies_in_order(redis_url: s
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await redis.aclose()
+
+
+class _SwallowingRedis:
+    """A client that, like redis-py at times, turns the cancel of a pending command
+    into a connection error and carries on."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.swallow = True
+
+    async def _swallow(self) -> None:
+        self.calls += 1
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if not self.swallow:
+                raise
+            from redis.exceptions import ConnectionError
+
+            raise ConnectionError("connection closed while reading") from None
+
+    async def xread(self, *args: Any, **kwargs: Any) -> None:
+        await self._swallow()
+
+    async def xadd(self, *args: Any, **kwargs: Any) -> None:
+        await self._swallow()
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_cancel_swallowed_by_the_redis_client_still_stops_both_loops() -> None:
+    from gateway.routing.index import BlockIndex
+    from gateway.routing.replicas import ReplicaSync
+    from gateway.routing.sessions import SessionMap
+
+    clients: list[_SwallowingRedis] = []
+
+    def factory() -> _SwallowingRedis:
+        clients.append(_SwallowingRedis())
+        return clients[-1]
+
+    sync = ReplicaSync(
+        factory,
+        "t:routes",
+        BlockIndex(),
+        SessionMap(60.0),
+        {},
+        speculative_ttl_s=2.0,
+        known_worker=lambda w: True,
+    )
+    tasks = sync.start()
+    await eventually(lambda: all(c.calls for c in clients) and len(clients) == 2, what="both busy")
+    for t in tasks:
+        t.cancel()
+    # Without the check they retry forever: a gateway's shutdown would hang here.
+    done, pending = await asyncio.wait(tasks, timeout=5.0)
+    for c in clients:  # so that a failing run still ends
+        c.swallow = False
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    assert not pending
+    assert all(t.cancelled() for t in done)
+    assert [c.calls for c in clients] == [1, 1]  # no retry after the cancel
 
 
 def _lone_sync(loads: dict[str, Any] | None = None) -> Any:
