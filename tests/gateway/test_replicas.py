@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -271,20 +272,11 @@ async def test_a_lone_replica_writes_only_its_keepalive(
 async def test_a_dead_redis_only_loses_the_sharing(caplog: pytest.LogCaptureFixture) -> None:
     import redis.asyncio as aioredis
 
-    from gateway.routing.index import BlockIndex
-    from gateway.routing.replicas import ReplicaSync
-    from gateway.routing.sessions import SessionMap
     from tests.support import free_port
 
     dead = f"redis://127.0.0.1:{free_port()}/0"
-    sync = ReplicaSync(
-        lambda: aioredis.Redis.from_url(dead, socket_connect_timeout=0.2),
-        "t:routes",
-        BlockIndex(),
-        SessionMap(60.0),
-        {},
-        speculative_ttl_s=2.0,
-        known_worker=lambda w: True,
+    sync = _lone_sync(
+        client_factory=lambda: aioredis.Redis.from_url(dead, socket_connect_timeout=0.2)
     )
     tasks = sync.start()
     try:
@@ -405,26 +397,13 @@ class _SwallowingRedis:
 
 
 async def test_a_cancel_swallowed_by_the_redis_client_still_stops_both_loops() -> None:
-    from gateway.routing.index import BlockIndex
-    from gateway.routing.replicas import ReplicaSync
-    from gateway.routing.sessions import SessionMap
-
     clients: list[_SwallowingRedis] = []
 
     def factory() -> _SwallowingRedis:
         clients.append(_SwallowingRedis())
         return clients[-1]
 
-    sync = ReplicaSync(
-        factory,
-        "t:routes",
-        BlockIndex(),
-        SessionMap(60.0),
-        {},
-        speculative_ttl_s=2.0,
-        known_worker=lambda w: True,
-    )
-    tasks = sync.start()
+    tasks = _lone_sync(client_factory=factory).start()
     await eventually(lambda: all(c.calls for c in clients) and len(clients) == 2, what="both busy")
     for t in tasks:
         t.cancel()
@@ -440,13 +419,17 @@ async def test_a_cancel_swallowed_by_the_redis_client_still_stops_both_loops() -
     assert [c.calls for c in clients] == [1, 1]  # no retry after the cancel
 
 
-def _lone_sync(loads: dict[str, Any] | None = None) -> Any:
+def _lone_sync(
+    loads: dict[str, Any] | None = None, client_factory: Callable[[], Any] = lambda: None
+) -> Any:
+    """A replica on its own under "t:routes", with no Redis unless ``client_factory`` gives
+    one."""
     from gateway.routing.index import BlockIndex
     from gateway.routing.replicas import ReplicaSync
     from gateway.routing.sessions import SessionMap
 
     return ReplicaSync(
-        lambda: None,
+        client_factory,
         "t:routes",
         BlockIndex(),
         SessionMap(60.0),
