@@ -121,7 +121,7 @@ def build_plan(
     block_size: int,
     max_model_len: int,
     device: torch.device,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype,
 ) -> StepPlan:
     """Flattens chunks into one token batch and precomputes slots, masks and groups.
 
