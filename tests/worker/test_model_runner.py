@@ -378,3 +378,32 @@ def test_a_dtype_this_cpu_cannot_pack_is_warned_about(
         r.getMessage() for r in caplog.records if "no packed-weight kernels" in r.getMessage()
     ]
     assert warned and "--dtype bfloat16" in warned[0]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_long_prompt_takes_the_query_block_kernel_and_matches_hf(
+    request: pytest.FixtureRequest, hf_model: HFLoader, name: str
+):
+    """Past ``MIN_CONTEXT`` keys a CPU prefill leaves SDPA: cold, and after a cached prefix."""
+    from worker.model.attention import build_plan
+    from worker.model.prefill_attention import MIN_CONTEXT
+
+    path = model_dir(request, name)
+    runner = make_runner(path, block_size=16, num_blocks=64)
+    length = MIN_CONTEXT + 150
+    ids = prompt(runner.vocab_size, length, seed=30)
+    ref = hf_logits(hf_model(path), ids)
+    cached = 640  # whole blocks, then a chunk past a block edge
+    first = SeqChunk(ids[:cached], 0, blocks(0, cached, 16), True)
+    rest = SeqChunk(ids[cached:], cached, blocks(0, length, 16), True)
+    if runner.device.type == "cpu":
+        plans = [
+            build_plan([c], 16, runner.max_model_len, runner.device, runner.dtype)
+            for c in (first, rest)
+        ]
+        assert [p.prefill[0].blocked for p in plans] == [True, True]
+    assert_close(runner.execute([first])[0], ref[cached - 1], atol=ATOL, rtol=RTOL)
+    assert_close(runner.execute([rest])[0], ref[-1], atol=ATOL, rtol=RTOL)
+    whole = make_runner(path, block_size=16, num_blocks=64)
+    out = whole.execute([SeqChunk(ids, 0, blocks(0, length, 16), True)])
+    assert_close(out[0], ref[-1], atol=ATOL, rtol=RTOL)

@@ -8,6 +8,8 @@ runs once per step). Attention is then done per group:
 - a prefill chunk with earlier context gathers that context from the cache
   through its block table and uses a bottom-right-aligned causal mask
   (query i at absolute position ``start_pos + i`` sees keys ``0..start_pos + i``);
+- on CPU, a prefill chunk attending over ``MIN_CONTEXT`` keys or more takes the
+  query-block kernel of ``worker.model.prefill_attention`` instead of SDPA;
 - all single-token (decode) chunks are batched into one padded call, each row
   masked to its own context length.
 
@@ -30,6 +32,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from worker.model.prefill_attention import causal_attention, use_blocked
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -81,7 +85,8 @@ class PrefillGroup:
     rows: slice
     ctx_len: int
     block_ids: torch.Tensor | None  # None: no earlier context, attend the chunk's own K/V
-    mask: torch.Tensor | None  # [n, ctx_len] additive (0 / -inf), bottom-right causal
+    mask: torch.Tensor | None  # [n, ctx_len] additive (0 / -inf), bottom-right causal, for SDPA
+    blocked: bool  # causal attention by query blocks (worker.model.prefill_attention)
 
 
 @dataclass
@@ -152,17 +157,18 @@ def build_plan(
             decode_rows.append(row)
             decode_tables.append(chunk.block_table)
             decode_lens.append(start + 1)
-        elif start == 0:
-            prefill.append(PrefillGroup(slice(row, row + n), n, None, None))
         else:
             ctx = start + n
-            block_ids = torch.tensor(table[: -(-ctx // block_size)], dtype=torch.long)
-            mask = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
-            prefill.append(
-                PrefillGroup(
-                    slice(row, row + n), ctx, block_ids.to(device), _additive(mask, dtype, device)
-                )
-            )
+            blocked = use_blocked(device, dtype, ctx)
+            block_ids = None
+            mask = None
+            if start > 0:
+                ids = torch.tensor(table[: -(-ctx // block_size)], dtype=torch.long)
+                block_ids = ids.to(device)
+                if not blocked:
+                    allowed = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
+                    mask = _additive(allowed, dtype, device)
+            prefill.append(PrefillGroup(slice(row, row + n), ctx, block_ids, mask, blocked))
         row += n
         if chunk.need_logits:
             logits_rows.append(row - 1)
@@ -233,22 +239,23 @@ def paged_attention(
     single = len(plan.prefill) + (plan.decode is not None) == 1
     out = None if single else torch.empty_like(q)
     for group in plan.prefill:
-        qg = q[group.rows].transpose(0, 1).unsqueeze(0)
         if group.block_ids is None:
-            kg = k[group.rows].transpose(0, 1).unsqueeze(0)
-            vg = v[group.rows].transpose(0, 1).unsqueeze(0)
-            og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
+            kg, vg = k[group.rows], v[group.rows]
         else:
             kg = _gather(cache.k, cache.k_scale, group.block_ids, q.dtype)[: group.ctx_len]
             vg = _gather(cache.v, cache.v_scale, group.block_ids, q.dtype)[: group.ctx_len]
+        if group.blocked:
+            result = causal_attention(q[group.rows], kg, vg)
+        else:
             og = F.scaled_dot_product_attention(
-                qg,
+                q[group.rows].transpose(0, 1).unsqueeze(0),
                 kg.transpose(0, 1).unsqueeze(0),
                 vg.transpose(0, 1).unsqueeze(0),
                 attn_mask=group.mask,
+                is_causal=group.mask is None,
                 enable_gqa=True,
             )
-        result = og[0].transpose(0, 1)
+            result = og[0].transpose(0, 1)
         if out is None:
             return result
         out[group.rows] = result

@@ -1,0 +1,91 @@
+"""Causal attention for long prefill chunks on CPU, as oneDNN matmuls over query blocks.
+
+PyTorch's CPU ``scaled_dot_product_attention`` was the largest part of a
+long cold prefill (about half of a 2,048-token SmolLM2 prefill on an AMD
+EPYC Zen 5) and about twice as slow again with an explicit mask, as a chunk
+with earlier context needs. Here each block of ``QUERY_BLOCK`` queries of one
+KV head's query heads is two plain products through oneDNN (the kernels the
+packed projections already use): scores against the keys it may see, a
+float32 softmax, then the values. Keys past the causal edge of the block are
+never multiplied. On that host a 2,048-token layer took 24 ms against SDPA's
+37, and a whole cold prefill 1.8-1.9 s against 2.2-2.5 s (README, engine
+section). Below ``MIN_CONTEXT`` keys SDPA is as fast or faster and is kept.
+
+The key length of each product is rounded up to ``KEY_PAD`` (zero keys, their
+scores masked): oneDNN builds a kernel for every new shape (0.3-0.9 ms each),
+and rounded lengths recur from one prompt to the next.
+
+bf16 follows Hugging Face's eager attention: bf16 scores, the softmax in
+float32, the probabilities back in bf16 for the product with the values.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from worker.model.llama import can_pack
+
+QUERY_BLOCK = 128
+KEY_PAD = 128
+MIN_CONTEXT = 512
+
+
+def use_blocked(device: torch.device, dtype: torch.dtype, context_len: int) -> bool:
+    """Whether a prefill chunk attending over ``context_len`` keys runs here, not in SDPA."""
+    return device.type == "cpu" and context_len >= MIN_CONTEXT and _onednn_packs(dtype)
+
+
+@functools.cache
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    return can_pack(dtype)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention output [n, heads, head_dim] for the last n positions of a causal sequence.
+
+    q [n, heads, head_dim] holds positions ``past .. past + n - 1``, where
+    ``past = len(k) - n``; k and v [past + n, kv_heads, head_dim] hold every
+    position from 0. Query heads share KV heads in consecutive groups (GQA).
+    """
+    n, heads, head_dim = q.shape
+    context, kv_heads, _ = k.shape
+    past = context - n
+    group = heads // kv_heads
+    padded = -(-context // KEY_PAD) * KEY_PAD
+    # oneDNN is only fast on contiguous operands (a row-strided one took 2,000x
+    # longer), so each head's keys, values and queries are copied out once.
+    keys = k.new_zeros(kv_heads, padded, head_dim)
+    keys[:, :context] = k.transpose(0, 1)
+    values = v.new_zeros(kv_heads, padded, head_dim)
+    values[:, :context] = v.transpose(0, 1)
+    queries = (q * (1.0 / math.sqrt(head_dim))).view(n, kv_heads, group, head_dim)
+    queries = queries.permute(1, 2, 0, 3).contiguous()  # [kv_heads, group, n, head_dim]
+    # Row i of a block sees columns up to its own position: above the diagonal is masked.
+    above = torch.ones(QUERY_BLOCK, QUERY_BLOCK + KEY_PAD, dtype=torch.bool).triu_(1)
+    out = q.new_empty(n, heads, head_dim)
+    for head in range(kv_heads):
+        for start in range(0, n, QUERY_BLOCK):
+            end = min(n, start + QUERY_BLOCK)
+            rows = end - start
+            first = past + start  # first column the block's causal mask cuts
+            seen = -(-(past + end) // KEY_PAD) * KEY_PAD
+            x = queries[head, :, start:end].reshape(group * rows, head_dim)
+            scores = _matmul(x, keys[head, :seen]).view(group, rows, seen)
+            scores[:, :, first:].masked_fill_(above[:rows, : seen - first], float("-inf"))
+            if scores.dtype == torch.float32:
+                probs = torch.softmax(scores, dim=-1)
+            else:
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+            o = _matmul(probs.view(group * rows, seen), values[head, :seen].t())
+            out[start:end, head * group : (head + 1) * group] = o.view(
+                group, rows, head_dim
+            ).transpose(0, 1)
+    return out
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` through oneDNN's inner product (weight [out, in])."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [None], "")
