@@ -27,8 +27,12 @@ class ChildLog:
         echo: TextIO | None = None,
         tail_lines: int = 30,
         width: int = 9,
+        watch: tuple[str, ...] = (),
     ) -> None:
         self.name = name
+        # Phrases remembered once seen (case-insensitive): a cause can scroll out of the tail.
+        self._watch = tuple(phrase.lower() for phrase in watch)
+        self._seen: set[str] = set()
         self.path = path
         self._stream = stream
         self._echo = echo
@@ -43,6 +47,9 @@ class ChildLog:
             for raw in iter(self._stream.readline, b""):
                 line = raw.decode("utf-8", errors="replace").rstrip("\n")
                 self._tail.append(line)
+                if self._watch:
+                    lowered = line.lower()
+                    self._seen.update(p for p in self._watch if p in lowered)
                 if self._file is not None:
                     self._file.write(line + "\n")
                     self._file.flush()
@@ -55,6 +62,10 @@ class ChildLog:
         finally:
             if self._file is not None:
                 self._file.close()
+
+    def saw(self, phrase: str) -> bool:
+        """Whether a line so far contained ``phrase``, one of those given as ``watch``."""
+        return phrase.lower() in self._seen
 
     def tail(self, lines: int = 12) -> str:
         """The child's last ``lines`` lines, indented, for an error message."""

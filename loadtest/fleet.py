@@ -44,7 +44,7 @@ def sigterm_as_ctrl_c() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-_PORT_RETRIES = 3
+PORT_RETRIES = 3
 
 
 def free_port() -> int:
@@ -126,7 +126,7 @@ class WorkerProcess:
     grpc_port: int
     http_port: int
     proc: subprocess.Popen[bytes]
-    port_retries: int = 0  # starts again after its port was taken (``_PORT_RETRIES`` at most)
+    port_retries: int = 0  # starts again after its port was taken (``PORT_RETRIES`` at most)
 
     @property
     def http_url(self) -> str:
@@ -275,7 +275,7 @@ class Fleet:
         log = self.logs.get(worker.worker_id)
         if log is not None:
             log.join()
-        if worker.port_retries >= _PORT_RETRIES or log is None:
+        if worker.port_retries >= PORT_RETRIES or log is None:
             return False
         if "address already in use" not in log.tail(40).lower():
             return False
@@ -383,7 +383,7 @@ class Fleet:
         log = self.logs.get("gateway")
         if log is not None:
             log.join()
-        if self.config.gateway_port or self._gateway_port_retries >= _PORT_RETRIES:
+        if self.config.gateway_port or self._gateway_port_retries >= PORT_RETRIES:
             return False
         if log is None or "is in use" not in log.tail(40):
             return False

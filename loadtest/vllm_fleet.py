@@ -16,6 +16,7 @@ CPU (``VLLM_CPU_OMP_THREADS_BIND``) when there are enough.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -23,16 +24,26 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from contract.model_paths import served_model_name
 from loadtest.child_logs import ChildLog, echo_target
-from loadtest.fleet import Fleet, FleetConfig, WorkerProcess, free_port, sigterm_as_ctrl_c
+from loadtest.fleet import (
+    PORT_RETRIES,
+    Fleet,
+    FleetConfig,
+    WorkerProcess,
+    free_port,
+    sigterm_as_ctrl_c,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = ROOT / ".venv-vllm"
 VLLM_BLOCK_SIZE = 32  # vLLM on CPU takes multiples of 32 only
+PORT_TAKEN = "address already in use"  # what vLLM's ZMQ or HTTP bind dies with
+
+logger = logging.getLogger(__name__)
 VLLM_MAX_MODEL_LEN = 2048
 
 
@@ -157,7 +168,20 @@ class VllmServer:
             start_new_session=True,
         )
         assert self.proc.stdout is not None
-        self.log = ChildLog(self.name, self.proc.stdout, self.log_path, echo_target(self.echo))
+        self.log = ChildLog(
+            self.name,
+            self.proc.stdout,
+            self.log_path,
+            echo_target(self.echo),
+            watch=(PORT_TAKEN,),
+        )
+
+    def port_was_taken(self) -> bool:
+        """Whether the server died because one of its ports was taken before it bound it."""
+        if self.log is None:
+            return False
+        self.log.join()
+        return self.log.saw(PORT_TAKEN)
 
     def healthy(self) -> bool:
         try:
@@ -231,14 +255,36 @@ class VllmFleet(Fleet):
                 )
                 server.start()
                 self.servers.append(server)
-            for server in self.servers:
-                self.startup_s[server.name] = server.wait_healthy(self.config.startup_timeout)
+            for slot in range(len(self.servers)):
+                server = self._wait_healthy(slot)
                 self.start_bridge(server)
             self.start_gateway()
             self.wait_serving(len(self.servers))
         except BaseException:
             self.stop()
             raise
+
+    def _wait_healthy(self, slot: int) -> VllmServer:
+        """Waits for the server in ``slot``; starts it again on fresh ports when one of them
+        was taken as it started: ``free_port`` only finds a port free *now*, and vLLM binds
+        its ZMQ sockets some 20 s later, while the other servers open connections."""
+        retries = 0
+        while True:
+            server = self.servers[slot]
+            try:
+                self.startup_s[server.name] = server.wait_healthy(self.config.startup_timeout)
+                return server
+            except RuntimeError:
+                if retries >= PORT_RETRIES or not server.port_was_taken():
+                    raise
+            retries += 1
+            logger.warning("%s: a port was taken as it started; starting it again", server.name)
+            server.stop()
+            fresh = replace(
+                server, port=free_port(), events_port=free_port(), replay_port=free_port()
+            )
+            fresh.start()
+            self.servers[slot] = fresh
 
     def start_bridge(
         self, server: VllmServer, *, namespace: str = "", name: str = ""
