@@ -45,6 +45,17 @@ def sigterm_as_ctrl_c() -> Iterator[None]:
 
 
 PORT_RETRIES = 3
+# What a child's log says when a port ``free_port`` chose was taken before the child
+# bound it: gRPC's and ZMQ's bind error (workers, vLLM), and the gateway's own check.
+PORT_TAKEN = ("address already in use", "is in use")
+
+
+def port_was_taken(log: ChildLog | None) -> bool:
+    """Whether the (exited) child whose output ``log`` read died of a taken port."""
+    if log is None:
+        return False
+    log.join()
+    return any(log.saw(phrase) for phrase in PORT_TAKEN)
 
 
 def free_port() -> int:
@@ -179,7 +190,11 @@ class Fleet:
         )
         assert proc.stdout is not None
         self.logs[name] = ChildLog(
-            name, proc.stdout, self.log_path(name), echo_target(self.config.echo_logs)
+            name,
+            proc.stdout,
+            self.log_path(name),
+            echo_target(self.config.echo_logs),
+            watch=PORT_TAKEN,
         )
         return proc
 
@@ -272,12 +287,9 @@ class Fleet:
         its ports was taken: ``free_port`` only finds a port free *now*, and the fleet's
         own outgoing connections (sixteen workers to Redis) draw from the same range."""
         worker = self.workers[slot]
-        log = self.logs.get(worker.worker_id)
-        if log is not None:
-            log.join()
-        if worker.port_retries >= PORT_RETRIES or log is None:
+        if worker.port_retries >= PORT_RETRIES:
             return False
-        if "address already in use" not in log.tail(40).lower():
+        if not port_was_taken(self.logs.get(worker.worker_id)):
             return False
         logger.warning("%s: its port was taken as it started; starting it again", worker.worker_id)
         fresh = self._launch_worker(int(worker.worker_id.rsplit("-", 1)[1]))
@@ -380,12 +392,9 @@ class Fleet:
     def _relaunch_gateway_if_port_taken(self) -> bool:
         """Starts the gateway again on a fresh port when the one ``free_port`` chose was
         taken before it bound it (as ``_relaunch_if_port_taken`` does for a worker)."""
-        log = self.logs.get("gateway")
-        if log is not None:
-            log.join()
         if self.config.gateway_port or self._gateway_port_retries >= PORT_RETRIES:
             return False
-        if log is None or "is in use" not in log.tail(40):
+        if not port_was_taken(self.logs.get("gateway")):
             return False
         logger.warning("gateway: its port was taken as it started; starting it again")
         self._gateway_port_retries += 1

@@ -31,17 +31,18 @@ from contract.model_paths import served_model_name
 from loadtest.child_logs import ChildLog, echo_target
 from loadtest.fleet import (
     PORT_RETRIES,
+    PORT_TAKEN,
     Fleet,
     FleetConfig,
     WorkerProcess,
     free_port,
+    port_was_taken,
     sigterm_as_ctrl_c,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = ROOT / ".venv-vllm"
 VLLM_BLOCK_SIZE = 32  # vLLM on CPU takes multiples of 32 only
-PORT_TAKEN = "address already in use"  # what vLLM's ZMQ or HTTP bind dies with
 
 logger = logging.getLogger(__name__)
 VLLM_MAX_MODEL_LEN = 2048
@@ -173,15 +174,8 @@ class VllmServer:
             self.proc.stdout,
             self.log_path,
             echo_target(self.echo),
-            watch=(PORT_TAKEN,),
+            watch=PORT_TAKEN,
         )
-
-    def port_was_taken(self) -> bool:
-        """Whether the server died because one of its ports was taken before it bound it."""
-        if self.log is None:
-            return False
-        self.log.join()
-        return self.log.saw(PORT_TAKEN)
 
     def healthy(self) -> bool:
         try:
@@ -275,7 +269,7 @@ class VllmFleet(Fleet):
                 self.startup_s[server.name] = server.wait_healthy(self.config.startup_timeout)
                 return server
             except RuntimeError:
-                if retries >= PORT_RETRIES or not server.port_was_taken():
+                if retries >= PORT_RETRIES or not port_was_taken(server.log):
                     raise
             retries += 1
             logger.warning("%s: a port was taken as it started; starting it again", server.name)
