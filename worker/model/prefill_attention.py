@@ -21,7 +21,6 @@ float32, the probabilities back in bf16 for the product with the values.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -35,12 +34,7 @@ MIN_CONTEXT = 512
 
 def use_blocked(device: torch.device, dtype: torch.dtype, context_len: int) -> bool:
     """Whether a prefill chunk attending over ``context_len`` keys runs here, not in SDPA."""
-    return device.type == "cpu" and context_len >= MIN_CONTEXT and _onednn_packs(dtype)
-
-
-@functools.cache
-def _onednn_packs(dtype: torch.dtype) -> bool:
-    return can_pack(dtype)
+    return device.type == "cpu" and context_len >= MIN_CONTEXT and can_pack(dtype)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
