@@ -55,8 +55,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     keys[:, :context] = k.transpose(0, 1)
     values = v.new_zeros(kv_heads, padded, head_dim)
     values[:, :context] = v.transpose(0, 1)
-    queries = (q * (1.0 / math.sqrt(head_dim))).view(n, kv_heads, group, head_dim)
-    queries = queries.permute(1, 2, 0, 3).contiguous()  # [kv_heads, group, n, head_dim]
+    # [kv_heads, n, group, head_dim]: a block's rows (query, then group head) are one
+    # contiguous slice, and its output rows land in ``out`` in the same order.
+    queries = q.new_empty(kv_heads, n, group, head_dim)
+    torch.mul(
+        q.view(n, kv_heads, group, head_dim).transpose(0, 1), 1.0 / math.sqrt(head_dim), out=queries
+    )
     # Row i of a block sees columns up to its own position: above the diagonal is masked.
     above = torch.ones(QUERY_BLOCK, QUERY_BLOCK + KEY_PAD, dtype=torch.bool).triu_(1)
     out = q.new_empty(n, heads, head_dim)
@@ -66,17 +70,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
             rows = end - start
             first = past + start  # first column the block's causal mask cuts
             seen = -(-(past + end) // KEY_PAD) * KEY_PAD
-            x = queries[head, :, start:end].reshape(group * rows, head_dim)
-            scores = _matmul(x, keys[head, :seen]).view(group, rows, seen)
-            scores[:, :, first:].masked_fill_(above[:rows, : seen - first], float("-inf"))
+            x = queries[head, start:end].view(rows * group, head_dim)
+            scores = _matmul(x, keys[head, :seen]).view(rows, group, seen)
+            scores[:, :, first:].masked_fill_(above[:rows, None, : seen - first], float("-inf"))
             if scores.dtype == torch.float32:
                 probs = torch.softmax(scores, dim=-1)
             else:
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
-            o = _matmul(probs.view(group * rows, seen), values[head, :seen].t())
-            out[start:end, head * group : (head + 1) * group] = o.view(
-                group, rows, head_dim
-            ).transpose(0, 1)
+            o = _matmul(probs.view(rows * group, seen), values[head, :seen].t())
+            out[start:end, head * group : (head + 1) * group] = o.view(rows, group, head_dim)
     return out
 
 
