@@ -43,9 +43,9 @@ from loadtest.fleet import (
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = ROOT / ".venv-vllm"
 VLLM_BLOCK_SIZE = 32  # vLLM on CPU takes multiples of 32 only
+VLLM_MAX_MODEL_LEN = 2048
 
 logger = logging.getLogger(__name__)
-VLLM_MAX_MODEL_LEN = 2048
 
 
 def vllm_python() -> Path:
