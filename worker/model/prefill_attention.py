@@ -63,8 +63,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     torch.mul(
         q.view(n, kv_heads, group, head_dim).transpose(0, 1), 1.0 / math.sqrt(head_dim), out=queries
     )
-    # Row i of a block sees columns up to its own position: above the diagonal is masked.
+    # Row i of a block sees columns up to its own position: above the diagonal gets -inf.
+    # Added, not masked_fill_ed: the same values (x + 0 == x), a quarter of the time.
     above = torch.ones(QUERY_BLOCK, QUERY_BLOCK + KEY_PAD, dtype=torch.bool).triu_(1)
+    cut = torch.zeros(above.shape, dtype=q.dtype).masked_fill_(above, float("-inf"))
     out = q.new_empty(n, heads, head_dim)
     for head in range(kv_heads):
         for start in range(0, n, QUERY_BLOCK):
@@ -74,7 +76,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
             seen = -(-(past + end) // KEY_PAD) * KEY_PAD
             x = queries[head, start:end].view(rows * group, head_dim)
             scores = _matmul(x, keys[head, :seen]).view(rows, group, seen)
-            scores[:, :, first:].masked_fill_(above[:rows, None, : seen - first], float("-inf"))
+            scores[:, :, first:].add_(cut[:rows, None, : seen - first])
             if scores.dtype == torch.float32:
                 probs = torch.softmax(scores, dim=-1)
             else:
