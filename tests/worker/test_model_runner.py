@@ -407,3 +407,45 @@ def test_long_prompt_takes_the_query_block_kernel_and_matches_hf(
     whole = make_runner(path, block_size=16, num_blocks=64)
     out = whole.execute([SeqChunk(ids, 0, blocks(0, length, 16), True)])
     assert_close(out[0], ref[-1], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_last_layer_queries_only_the_logits_rows(
+    request: pytest.FixtureRequest,
+    hf_model: HFLoader,
+    name: str,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Rows without logits skip the last layer's attention and MLP, not its K/V."""
+    import worker.model.attention as attention
+
+    path = model_dir(request, name)
+    hf = hf_model(path)
+    runner = make_runner(path, block_size=4, num_blocks=64)
+    seqs = [prompt(runner.vocab_size, 40, seed=50), prompt(runner.vocab_size, 36, seed=51)]
+    tables = [blocks(0, 40, 4), blocks(12, 36, 4)]
+    step = [SeqChunk(seqs[0], 0, tables[0], True), SeqChunk(seqs[1][:30], 0, tables[1], False)]
+
+    def plan(chunks: list[SeqChunk], **kwargs: bool) -> attention.StepPlan:
+        return attention.build_plan(
+            chunks, 4, runner.max_model_len, runner.device, runner.dtype, **kwargs
+        )
+
+    tail = plan(step).tail
+    assert tail is not None and tail.rows.tolist() == [39]
+    assert plan(step, tail=False).tail is None
+    decodes = [SeqChunk([5], 39, tables[0], True)] * 40  # every row needs logits
+    assert plan(decodes).tail is None
+    out = runner.execute(step)
+    assert out.shape == (1, runner.vocab_size)
+    assert_close(out[0], hf_logits(hf, seqs[0])[-1], atol=ATOL, rtol=RTOL)
+    # The chunk without logits stored its last-layer K/V: its continuation is exact.
+    rest = runner.execute([SeqChunk(seqs[1][30:], 30, tables[1], True)])
+    assert_close(rest[0], hf_logits(hf, seqs[1])[-1], atol=ATOL, rtol=RTOL)
+    # A step in which no row needs logits returns none.
+    none = runner.execute([SeqChunk(seqs[1], 0, blocks(30, 36, 4), False)])
+    assert none.shape == (0, runner.vocab_size)
+    # The same step with every row through the last layer gives the same logits.
+    monkeypatch.setattr(attention, "TAIL_MIN_SKIPPED", 10**9)
+    every = make_runner(path, block_size=4, num_blocks=64).execute(step)
+    assert_close(out, every, atol=1e-5, rtol=1e-5)

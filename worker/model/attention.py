@@ -13,6 +13,13 @@ runs once per step). Attention is then done per group:
 - all single-token (decode) chunks are batched into one padded call, each row
   masked to its own context length.
 
+In the last layer only the rows whose logits are sampled need a query: every
+other row's output there feeds nothing (its K/V are still written). When at
+least ``TAIL_MIN_SKIPPED`` rows need none, the plan carries those rows as a
+decode-style ``tail`` group (each reads its whole context from the cache), and
+the runner skips the last layer's attention, output projection and MLP for
+the rest: about 1/num_layers of a long prefill's work, outputs unchanged.
+
 Everything that depends only on the chunks (slots, masks, block-table tensors)
 is built once per step here, not once per layer.
 
@@ -37,6 +44,8 @@ from worker.model.prefill_attention import causal_attention, use_blocked
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
+# Below this many rows without logits the tail's cache gather costs more than it saves.
+TAIL_MIN_SKIPPED = 32
 
 
 @dataclass
@@ -106,6 +115,8 @@ class StepPlan:
     logits_rows: torch.Tensor  # [L] last row of each chunk that needs logits
     prefill: list[PrefillGroup]
     decode: DecodeGroup | None
+    # The last layer's queries when only the logits rows need one (None: every row does)
+    tail: DecodeGroup | None = None
 
 
 def _check_chunk(chunk: Chunk, block_size: int, max_model_len: int) -> None:
@@ -127,12 +138,16 @@ def build_plan(
     max_model_len: int,
     device: torch.device,
     dtype: torch.dtype,
+    *,
+    tail: bool = True,
 ) -> StepPlan:
     """Flattens chunks into one token batch and precomputes slots, masks and groups.
 
     Masks are additive in the compute ``dtype``: given a boolean mask, SDPA
     builds that float mask itself in every layer (about 10 % of a decode
     layer's attention call at batch 8); the result is bit for bit the same.
+    ``tail`` False keeps the last layer on every row (a cache that does not
+    hold the compute dtype's exact K/V, as fp8 does not).
     """
     input_ids: list[int] = []
     positions: list[int] = []
@@ -142,6 +157,8 @@ def build_plan(
     decode_rows: list[int] = []
     decode_tables: list[list[int]] = []
     decode_lens: list[int] = []
+    logits_tables: list[list[int]] = []
+    logits_lens: list[int] = []
     row = 0
     for chunk in chunks:
         _check_chunk(chunk, block_size, max_model_len)
@@ -172,17 +189,17 @@ def build_plan(
         row += n
         if chunk.need_logits:
             logits_rows.append(row - 1)
+            logits_tables.append(table)
+            logits_lens.append(start + n)
     decode = None
     if decode_rows:
-        max_blocks = max(-(-length // block_size) for length in decode_lens)
-        padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in decode_tables]
-        keys = torch.arange(max_blocks * block_size)
-        mask = keys[None, :] < torch.tensor(decode_lens)[:, None]
-        decode = DecodeGroup(
-            rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
-            all_rows=len(decode_rows) == row,
-            block_table=torch.tensor(padded, dtype=torch.long, device=device),
-            mask=_additive(mask[:, None, None, :], dtype, device),
+        decode = _decode_group(
+            decode_rows, decode_tables, decode_lens, row, block_size, device, dtype
+        )
+    tail_group = None
+    if tail and row - len(logits_rows) >= TAIL_MIN_SKIPPED:
+        tail_group = _decode_group(
+            logits_rows, logits_tables, logits_lens, row, block_size, device, dtype
         )
     return StepPlan(
         num_tokens=row,
@@ -192,6 +209,31 @@ def build_plan(
         logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
         prefill=prefill,
         decode=decode,
+        tail=tail_group,
+    )
+
+
+def _decode_group(
+    rows: list[int],
+    tables: list[list[int]],
+    lens: list[int],
+    num_tokens: int,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> DecodeGroup:
+    """One query per row over its context of ``lens`` keys, read from the cache."""
+    max_blocks = max((-(-length // block_size) for length in lens), default=1)
+    padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
+    keys = torch.arange(max_blocks * block_size)
+    mask = keys[None, :] < torch.tensor(lens, dtype=torch.long)[:, None]
+    return DecodeGroup(
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
+        all_rows=len(rows) == num_tokens,
+        block_table=torch.tensor(padded, dtype=torch.long)
+        .reshape(len(rows), max_blocks)
+        .to(device),
+        mask=_additive(mask[:, None, None, :], dtype, device),
     )
 
 
@@ -264,24 +306,28 @@ def paged_attention(
         if out is None:
             raise ValueError("a step plan needs at least one chunk")
         return out
-    qd = q if decode.all_rows else q.index_select(0, decode.rows)
-    kd = _gather(cache.k, cache.k_scale, decode.block_table, q.dtype)
-    vd = _gather(cache.v, cache.v_scale, decode.block_table, q.dtype)
-    # The query heads sharing a KV head go in as that head's query rows ([B, kv_heads,
-    # group, D]): one attention call per KV head instead of per query head, and no
-    # expanded K/V. 2x faster than enable_gqa on SmolLM2's 9/3 heads at batch 8.
-    batch, heads, head_dim = qd.shape
-    kv_heads = kd.shape[2]
-    od = F.scaled_dot_product_attention(
-        qd.view(batch, kv_heads, heads // kv_heads, head_dim),
-        kd.transpose(1, 2),
-        vd.transpose(1, 2),
-        attn_mask=decode.mask,
-    ).reshape(batch, heads, head_dim)
+    od = decode_attention(q if decode.all_rows else q.index_select(0, decode.rows), cache, decode)
     if out is None:
         return od
     out.index_copy_(0, decode.rows, od)
     return out
+
+
+def decode_attention(q: torch.Tensor, cache: LayerKV, group: DecodeGroup) -> torch.Tensor:
+    """Output [B, heads, head_dim] of the group's B queries, each over its cached context."""
+    kd = _gather(cache.k, cache.k_scale, group.block_table, q.dtype)
+    vd = _gather(cache.v, cache.v_scale, group.block_table, q.dtype)
+    # The query heads sharing a KV head go in as that head's query rows ([B, kv_heads,
+    # group, D]): one attention call per KV head instead of per query head, and no
+    # expanded K/V. 2x faster than enable_gqa on SmolLM2's 9/3 heads at batch 8.
+    batch, heads, head_dim = q.shape
+    kv_heads = kd.shape[2]
+    return F.scaled_dot_product_attention(
+        q.view(batch, kv_heads, heads // kv_heads, head_dim),
+        kd.transpose(1, 2),
+        vd.transpose(1, 2),
+        attn_mask=group.mask,
+    ).reshape(batch, heads, head_dim)
 
 
 def _gather(

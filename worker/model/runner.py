@@ -28,6 +28,7 @@ from worker.model.attention import (
     LayerKV,
     StepPlan,
     build_plan,
+    decode_attention,
     paged_attention,
     write_kv,
 )
@@ -240,18 +241,52 @@ class ModelRunner:
         spec = self.spec
         if not chunks:
             return torch.empty(0, self.vocab_size, device=self.device)
-        plan = build_plan(chunks, self.block_size, self.max_model_len, self.device, self.dtype)
+        plan = build_plan(
+            chunks,
+            self.block_size,
+            self.max_model_len,
+            self.device,
+            self.dtype,
+            tail=self.kv_dtype == self.dtype,  # the tail reads K/V back from the cache
+        )
         cos = self._cos[plan.positions].unsqueeze(1)
         sin = self._sin[plan.positions].unsqueeze(1)
         eps = spec.rms_norm_eps
         hidden = F.embedding(plan.input_ids, self.weights.embed)
-        for layer, cache in zip(self.weights.layers, self.kv, strict=True):
+        layers = list(zip(self.weights.layers, self.kv, strict=True))
+        every_row = layers[:-1] if plan.tail is not None else layers
+        for layer, cache in every_row:
             x = rms_norm(hidden, layer.input_norm, eps)
             hidden += self._attention(x, layer, cache, plan, cos, sin)
             hidden += mlp(rms_norm(hidden, layer.post_norm, eps), layer)
-        last = hidden.index_select(0, plan.logits_rows)
+        if plan.tail is None:
+            last = hidden.index_select(0, plan.logits_rows)
+        else:
+            last = self._last_layer_tail(hidden, *layers[-1], plan, cos, sin)
         last = rms_norm(last, self.weights.final_norm, eps)
         return self.weights.lm_head(last).float()
+
+    def _last_layer_tail(
+        self,
+        hidden: torch.Tensor,
+        layer: LayerWeights,
+        cache: LayerKV,
+        plan: StepPlan,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """The last layer's output for the logits rows only; every row's K/V still stored."""
+        tail = plan.tail
+        assert tail is not None
+        eps = self.spec.rms_norm_eps
+        q, _, _ = self._qkv(rms_norm(hidden, layer.input_norm, eps), layer, cache, plan, cos, sin)
+        rows = hidden.index_select(0, tail.rows)
+        if rows.shape[0] == 0:
+            return rows
+        attn = decode_attention(q.index_select(0, tail.rows), cache, tail)
+        rows += layer.o_proj(attn.reshape(rows.shape[0], -1))
+        rows += mlp(rms_norm(rows, layer.post_norm, eps), layer)
+        return rows
 
     def _attention(
         self,
@@ -263,6 +298,20 @@ class ModelRunner:
         sin: torch.Tensor,
     ) -> torch.Tensor:
         """One layer's self-attention for the step's token batch x [T, hidden]."""
+        q, k, v = self._qkv(x, layer, cache, plan, cos, sin)
+        attn = paged_attention(q, k, v, cache, plan)
+        return layer.o_proj(attn.reshape(x.shape[0], -1))
+
+    def _qkv(
+        self,
+        x: torch.Tensor,
+        layer: LayerWeights,
+        cache: LayerKV,
+        plan: StepPlan,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q, k and v [T, heads, head_dim] of x [T, hidden]; k and v stored in the cache."""
         spec = self.spec
         heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         num_tokens = x.shape[0]
@@ -279,5 +328,4 @@ class ModelRunner:
         qk = apply_rope(qk, cos, sin)
         q, k = qk[:, :heads], qk[:, heads:]
         write_kv(cache, k, v, plan.slots)
-        attn = paged_attention(q, k, v, cache, plan)
-        return layer.o_proj(attn.reshape(num_tokens, heads * head_dim))
+        return q, k, v
