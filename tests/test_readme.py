@@ -1,6 +1,6 @@
-"""Every command the README offers runs as written.
+"""Every command the README and the results log (docs/RESULTS.md) offer runs as written.
 
-Each ```sh block in README.md is marked: ``<!-- runnable -->`` (a user can paste it on a
+Each ```sh block in those files is marked: ``<!-- runnable -->`` (a user can paste it on a
 fresh clone) or ``<!-- runnable cheap -->`` (and this test runs it, each command within
 a couple of minutes). For the runnable commands this test checks what it can without
 starting a fleet: make targets dry-run, every flag of a kvroute / python -m command is in
@@ -23,6 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCUMENTS = (README, ROOT / "docs" / "RESULTS.md")
 MARKER = re.compile(r"^<!-- runnable( cheap)? -->$")
 
 
@@ -31,17 +32,19 @@ class Command:
     line: int
     text: str
     cheap: bool
+    file: str = "README.md"
 
 
-def readme_commands() -> list[Command]:
+def readme_commands(path: Path = README) -> list[Command]:
     """The commands of every marked ```sh block; unmarked blocks fail the test."""
-    lines = README.read_text().splitlines()
+    name = str(path.relative_to(ROOT))
+    lines = path.read_text().splitlines()
     out: list[Command] = []
     for i, line in enumerate(lines):
         if line.strip() != "```sh":
             continue
         marker = MARKER.match(lines[i - 1].strip()) if i else None
-        assert marker, f"README.md:{i + 1}: a ```sh block without <!-- runnable --> above it"
+        assert marker, f"{name}:{i + 1}: a ```sh block without <!-- runnable --> above it"
         j, pending = i + 1, ""
         while lines[j].strip() != "```":
             text = lines[j].split("  # ")[0].rstrip() if "  # " in lines[j] else lines[j]
@@ -49,7 +52,7 @@ def readme_commands() -> list[Command]:
             if pending.endswith("\\"):
                 pending = pending[:-1].rstrip()
             elif pending:
-                out.append(Command(j + 1, pending, bool(marker.group(1))))
+                out.append(Command(j + 1, pending, bool(marker.group(1)), name))
                 pending = ""
             j += 1
     return out
@@ -67,7 +70,7 @@ def _help(argv: tuple[str, ...]) -> str:
 def check(cmd: Command) -> None:
     """What can be checked of a command without running it."""
     words = shlex.split(cmd.text)
-    where = f"README.md:{cmd.line}: {cmd.text}"
+    where = f"{cmd.file}:{cmd.line}: {cmd.text}"
     while re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
         words = words[1:]  # VAR=value prefixes
     head = words[0]
@@ -134,25 +137,39 @@ def check(cmd: Command) -> None:
         raise AssertionError(f"{where}: no check for `{head}` commands; add one")
 
 
-COMMANDS = readme_commands()
+def _commands() -> list[Command]:
+    """Every document's commands; a cheap one both offer runs once, where it comes first."""
+    out: list[Command] = []
+    ran: set[str] = set()
+    for path in DOCUMENTS:
+        for cmd in readme_commands(path):
+            if cmd.cheap and cmd.text in ran:
+                cmd = Command(cmd.line, cmd.text, False, cmd.file)
+            ran.update([cmd.text] if cmd.cheap else [])
+            out.append(cmd)
+    return out
+
+
+COMMANDS = _commands()
 
 
 def test_readme_blocks_are_marked_and_found() -> None:
-    assert len(COMMANDS) >= 8
+    assert len(readme_commands(README)) >= 8
     assert any(c.cheap for c in COMMANDS)
     assert not any("../shared" in c.text for c in COMMANDS)
-    assert "../shared" not in README.read_text()
+    for path in DOCUMENTS:
+        assert "../shared" not in path.read_text()
 
 
-@pytest.mark.parametrize("cmd", COMMANDS, ids=[f"line{c.line}" for c in COMMANDS])
+@pytest.mark.parametrize("cmd", COMMANDS, ids=[f"{c.file}:{c.line}" for c in COMMANDS])
 def test_readme_command(cmd: Command) -> None:
     check(cmd)
     if cmd.cheap:
         proc = subprocess.run(
             cmd.text, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=240
         )
-        assert proc.returncode == 0, f"README.md:{cmd.line}: {proc.stderr[-2000:]}"
-        assert proc.stdout.strip(), f"README.md:{cmd.line}: printed nothing"
+        assert proc.returncode == 0, f"{cmd.file}:{cmd.line}: {proc.stderr[-2000:]}"
+        assert proc.stdout.strip(), f"{cmd.file}:{cmd.line}: printed nothing"
 
 
 def test_checker_catches_a_wrong_flag() -> None:

@@ -2,7 +2,7 @@
 
 The openai-http upstream sends every request to vLLM this way. aiohttp's client did
 the same job for 0.18-0.24 ms more of the gateway's CPU a small chat (same-run A/Bs
-on a 2-core host, README "In front of vLLM workers"): its request and response
+on a 2-core host, docs/RESULTS.md "In front of vLLM workers"): its request and response
 objects, header multidicts, cookie jar and tracing hooks cost more than the routing
 decision. Here a request is one ``write`` of bytes built from a
 prefix made once per URL, and the response is decoded in ``data_received`` (status

@@ -8,7 +8,7 @@ KV head's query heads is two plain products through oneDNN (the kernels the
 packed projections already use): scores against the keys it may see, a
 float32 softmax, then the values. Keys past the causal edge of the block are
 never multiplied. On that host a 2,048-token layer took 24 ms against SDPA's
-37, and a whole cold prefill 1.8-1.9 s against 2.2-2.5 s (README, engine
+37, and a whole cold prefill 1.8-1.9 s against 2.2-2.5 s (docs/RESULTS.md, engine
 section). On a Zen 4 EPYC, whose AVX-512 runs on 256-bit units, the two tie in
 fp32 (39.6 against 39.8 ms a layer) and this is faster in bf16. Below
 ``MIN_CONTEXT`` keys SDPA is as fast or faster and is kept.
