@@ -7,7 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from worker.model.llama import can_pack
-from worker.model.prefill_attention import MIN_CONTEXT, causal_attention, use_blocked
+from worker.model.prefill_attention import (
+    MIN_CONTEXT,
+    attend,
+    causal_attention,
+    gather_head_major,
+    use_blocked,
+)
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(
@@ -81,3 +87,27 @@ def test_the_runner_picks_it_only_for_long_cpu_chunks():
     assert not use_blocked(CPU, torch.float32, MIN_CONTEXT - 1)
     assert not use_blocked(torch.device("cuda"), torch.float32, 4 * MIN_CONTEXT)
     assert not use_blocked(CPU, torch.float16, 4 * MIN_CONTEXT)  # oneDNN packs no fp16 here
+
+
+@needs_onednn
+@pytest.mark.parametrize("block_size", [16, 48])  # 48: the blocks reach past the key padding
+def test_paged_keys_gathered_head_major_give_the_same_output(block_size: int):
+    """Keys and values read from paged caches straight into the kernel's layout."""
+    n, past, kv_heads = 70, 530, 3
+    q, k, v = random_qkv(n, past, 9, kv_heads, torch.float32, seed=7)
+    context = past + n
+    num_blocks = -(-context // block_size)
+    generator = torch.Generator().manual_seed(8)
+    ids = torch.randperm(40, generator=generator)[:num_blocks]  # scattered block ids
+    caches = []
+    for x in (k, v):
+        cache = torch.full((40, block_size, kv_heads, 64), float("nan"))
+        flat = torch.full((num_blocks * block_size, kv_heads, 64), float("nan"))  # stale slots
+        flat[:context] = x
+        cache[ids] = flat.view(num_blocks, block_size, kv_heads, 64)
+        caches.append(cache)
+    keys, values = gather_head_major(caches[0], caches[1], ids, context)
+    assert keys.shape[1] >= -(-context // 128) * 128
+    torch.testing.assert_close(keys[:, :context], k.transpose(0, 1), rtol=0, atol=0)
+    assert not keys[:, context:].any() and not values[:, context:].any()
+    assert torch.equal(attend(q, keys, values, context), causal_attention(q, k, v))

@@ -40,7 +40,12 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from worker.model.prefill_attention import causal_attention, use_blocked
+from worker.model.prefill_attention import (
+    attend,
+    causal_attention,
+    gather_head_major,
+    use_blocked,
+)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -281,23 +286,7 @@ def paged_attention(
     single = len(plan.prefill) + (plan.decode is not None) == 1
     out = None if single else torch.empty_like(q)
     for group in plan.prefill:
-        if group.block_ids is None:
-            kg, vg = k[group.rows], v[group.rows]
-        else:
-            kg = _gather(cache.k, cache.k_scale, group.block_ids, q.dtype)[: group.ctx_len]
-            vg = _gather(cache.v, cache.v_scale, group.block_ids, q.dtype)[: group.ctx_len]
-        if group.blocked:
-            result = causal_attention(q[group.rows], kg, vg)
-        else:
-            og = F.scaled_dot_product_attention(
-                q[group.rows].transpose(0, 1).unsqueeze(0),
-                kg.transpose(0, 1).unsqueeze(0),
-                vg.transpose(0, 1).unsqueeze(0),
-                attn_mask=group.mask,
-                is_causal=group.mask is None,
-                enable_gqa=True,
-            )
-            result = og[0].transpose(0, 1)
+        result = _prefill_attention(q[group.rows], k[group.rows], v[group.rows], cache, group)
         if out is None:
             return result
         out[group.rows] = result
@@ -311,6 +300,30 @@ def paged_attention(
         return od
     out.index_copy_(0, decode.rows, od)
     return out
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, group: PrefillGroup
+) -> torch.Tensor:
+    """One prefill chunk's attention output [n, heads, head_dim]; k and v are its own."""
+    if group.blocked and group.block_ids is not None and cache.k.dtype == q.dtype:
+        # Straight from the cache into the kernel's layout: one copy instead of three.
+        keys, values = gather_head_major(cache.k, cache.v, group.block_ids, group.ctx_len)
+        return attend(q, keys, values, group.ctx_len)
+    if group.block_ids is not None:
+        k = _gather(cache.k, cache.k_scale, group.block_ids, q.dtype)[: group.ctx_len]
+        v = _gather(cache.v, cache.v_scale, group.block_ids, q.dtype)[: group.ctx_len]
+    if group.blocked:
+        return causal_attention(q, k, v)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=group.mask,
+        is_causal=group.mask is None,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
 
 
 def decode_attention(q: torch.Tensor, cache: LayerKV, group: DecodeGroup) -> torch.Tensor:

@@ -46,17 +46,47 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     ``past = len(k) - n``; k and v [past + n, kv_heads, head_dim] hold every
     position from 0. Query heads share KV heads in consecutive groups (GQA).
     """
+    context, kv_heads, head_dim = k.shape
+    # oneDNN is only fast on contiguous operands (a row-strided one took 2,000x
+    # longer), so each head's keys and values are copied out once.
+    keys = k.new_zeros(kv_heads, _padded(context), head_dim)
+    keys[:, :context] = k.transpose(0, 1)
+    values = v.new_zeros(kv_heads, _padded(context), head_dim)
+    values[:, :context] = v.transpose(0, 1)
+    return attend(q, keys, values, context)
+
+
+def gather_head_major(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, context: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's first ``context`` keys and values [kv_heads, padded, head_dim], read
+    from paged caches [num_blocks, block_size, kv_heads, head_dim] through its block ids.
+
+    Each head's blocks are gathered straight into place: one copy, where gathering
+    the blocks and then transposing them into this layout took two and a zero fill.
+    """
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    gathered = block_ids.numel() * block_size
+    length = max(_padded(context), gathered)
+    out = []
+    for cache in (k_cache, v_cache):
+        heads = cache.new_empty(kv_heads, length, head_dim)
+        for head in range(kv_heads):
+            place = heads[head, :gathered].view(-1, block_size, head_dim)
+            torch.index_select(cache[:, :, head], 0, block_ids, out=place)
+        # Slots past the context hold whatever the blocks held: the causal cut masks
+        # their scores, and zeros keep a stale non-finite value out of the products.
+        heads[:, context:].zero_()
+        out.append(heads)
+    return out[0], out[1]
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context: int) -> torch.Tensor:
+    """``causal_attention`` over head-major keys and values [kv_heads, >= padded, head_dim]."""
     n, heads, head_dim = q.shape
-    context, kv_heads, _ = k.shape
+    kv_heads = keys.shape[0]
     past = context - n
     group = heads // kv_heads
-    padded = -(-context // KEY_PAD) * KEY_PAD
-    # oneDNN is only fast on contiguous operands (a row-strided one took 2,000x
-    # longer), so each head's keys, values and queries are copied out once.
-    keys = k.new_zeros(kv_heads, padded, head_dim)
-    keys[:, :context] = k.transpose(0, 1)
-    values = v.new_zeros(kv_heads, padded, head_dim)
-    values[:, :context] = v.transpose(0, 1)
     # [kv_heads, n, group, head_dim]: a block's rows (query, then group head) are one
     # contiguous slice, and its output rows land in ``out`` in the same order.
     queries = q.new_empty(kv_heads, n, group, head_dim)
@@ -84,6 +114,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
             o = _matmul(probs.view(rows * group, seen), values[head, :seen].t())
             out[start:end, head * group : (head + 1) * group] = o.view(rows, group, head_dim)
     return out
+
+
+def _padded(context: int) -> int:
+    return -(-context // KEY_PAD) * KEY_PAD
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
