@@ -256,8 +256,11 @@ class ModelRunner:
         layers = list(zip(self.weights.layers, self.kv, strict=True))
         every_row = layers[:-1] if plan.tail is not None else layers
         for layer, cache in every_row:
-            x = rms_norm(hidden, layer.input_norm, eps)
-            hidden += self._attention(x, layer, cache, plan, cos, sin)
+            q, k, v = self._qkv(
+                rms_norm(hidden, layer.input_norm, eps), layer, cache, plan, cos, sin
+            )
+            attn = paged_attention(q, k, v, cache, plan)
+            hidden += layer.o_proj(attn.reshape(plan.num_tokens, -1))
             hidden += mlp(rms_norm(hidden, layer.post_norm, eps), layer)
         if plan.tail is None:
             last = hidden.index_select(0, plan.logits_rows)
@@ -287,20 +290,6 @@ class ModelRunner:
         rows += layer.o_proj(attn.reshape(rows.shape[0], -1))
         rows += mlp(rms_norm(rows, layer.post_norm, eps), layer)
         return rows
-
-    def _attention(
-        self,
-        x: torch.Tensor,
-        layer: LayerWeights,
-        cache: LayerKV,
-        plan: StepPlan,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> torch.Tensor:
-        """One layer's self-attention for the step's token batch x [T, hidden]."""
-        q, k, v = self._qkv(x, layer, cache, plan, cos, sin)
-        attn = paged_attention(q, k, v, cache, plan)
-        return layer.o_proj(attn.reshape(x.shape[0], -1))
 
     def _qkv(
         self,
