@@ -145,7 +145,8 @@ def _commands() -> list[Command]:
         for cmd in readme_commands(path):
             if cmd.cheap and cmd.text in ran:
                 cmd = Command(cmd.line, cmd.text, False, cmd.file)
-            ran.update([cmd.text] if cmd.cheap else [])
+            elif cmd.cheap:
+                ran.add(cmd.text)
             out.append(cmd)
     return out
 
