@@ -10,9 +10,11 @@ conversation per record. Same seed, same ids on every machine.
 
 from __future__ import annotations
 
+import itertools
 import json
+import statistics
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +63,35 @@ def load_trace(
             )
             if limit is not None and len(out) >= limit:
                 break
+    return out
+
+
+def spread_arrivals(records: Sequence[TraceRecord]) -> list[TraceRecord]:
+    """``records`` with the requests that share one timestamp spread evenly over the
+    gap to the next timestamp, in file order.
+
+    The Mooncake conversation trace's timestamps are quantised: its 12,031
+    requests fall on 1,180 instants 3 s apart, about ten at each. Replayed as
+    recorded, every instant is a burst of simultaneous requests, which a single
+    gateway routes one by one, each seeing the last, while gateway replicas
+    route their shares at once, none seeing the others'. Spread, the same
+    requests arrive in the same order at the same mean rate. The last instant
+    takes the median gap.
+    """
+    if not records:
+        return []
+    times = sorted({r.arrival_s for r in records})
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    last_gap = statistics.median(gaps) if gaps else 0.0
+    next_time = dict(zip(times, [*times[1:], times[-1] + last_gap], strict=True))
+    groups: dict[float, list[int]] = {}
+    for i, r in enumerate(records):
+        groups.setdefault(r.arrival_s, []).append(i)
+    out = list(records)
+    for t, members in groups.items():
+        width = next_time[t] - t
+        for k, i in enumerate(members):
+            out[i] = replace(records[i], arrival_s=t + width * k / len(members))
     return out
 
 

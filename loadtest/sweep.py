@@ -48,7 +48,7 @@ from typing import Any
 from contract.hashing import HashSpec
 from loadtest.aiperf_client import rescale_trace
 from loadtest.fleetsim import SIM_POLICIES, SimConfig
-from loadtest.mooncake_trace import TraceChains, TraceTokens, load_trace
+from loadtest.mooncake_trace import TraceChains, TraceTokens, load_trace, spread_arrivals
 from loadtest.simulate import router_options, run_policy
 from loadtest.workloads import (
     Conversation,
@@ -87,11 +87,16 @@ WORKLOADS = {
 PEERS_REPLAY_REQUESTS = 500  # loadtest.peers_matrix's trace_limit
 
 
-def shapes_for(w: Workload, rate: float, limit: int, seed: int) -> list[RequestShape]:
-    """The simulator shapes of workload ``w`` at ``rate`` times its base arrival rate."""
+def shapes_for(
+    w: Workload, rate: float, limit: int, seed: int, *, spread: bool = False
+) -> list[RequestShape]:
+    """The simulator shapes of workload ``w`` at ``rate`` times its base arrival rate;
+    ``spread``: the trace's simultaneous requests spread over their 3 s instants
+    (``loadtest.mooncake_trace.spread_arrivals``)."""
     spec = HashSpec(block_size=w.block_size, model="sweep")
     if w.name == "mooncake":
         records = load_trace(TRACE, limit=limit, time_scale=1.0 / rate)
+        records = spread_arrivals(records) if spread else records
         return list(TraceChains(spec, TraceTokens(seed=seed)).shapes(records))
     if w.name == "mooncake_32":
         # As long as bench_peers' replay: the first requests, while caches still fill.
@@ -100,6 +105,7 @@ def shapes_for(w: Workload, rate: float, limit: int, seed: int) -> list[RequestS
             rescaled = Path(tmp) / "rescaled.jsonl"
             rescale_trace(TRACE, rescaled, block_tokens=32, limit=n)
             records = load_trace(rescaled, limit=n, time_scale=1.0 / rate)
+        records = spread_arrivals(records) if spread else records
         tokens = TraceTokens(block_tokens=32, seed=seed)
         return list(TraceChains(spec, tokens).shapes(records))
     if w.name == "bursty":
@@ -186,11 +192,16 @@ def replica_margins(
     }
 
 
-def stored_baselines(path: Path, seed: int, limit: int) -> dict[tuple[str, float, int, int], Any]:
-    """The policies of each cell of an earlier sweep run with the same seed and limit."""
+def stored_baselines(
+    path: Path, seed: int, limit: int, trace_arrivals: str = "recorded"
+) -> dict[tuple[str, float, int, int], Any]:
+    """The policies of each cell of an earlier sweep run with the same seed, limit and
+    trace arrivals."""
     data = json.loads(path.read_text())
     if data.get("seed", 0) != seed or data.get("limit", 3000) != limit:
         raise ValueError(f"--baselines {path}: it was run with another --seed or --limit")
+    if data.get("trace_arrivals", "recorded") != trace_arrivals:
+        raise ValueError(f"--baselines {path}: it was run with another --trace-arrivals")
     return {
         (c["workload"], c["rate"], c["workers"], c["capacity_tokens"]): c["policies"]
         for c in data["cells"]
@@ -218,11 +229,17 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     sizes = [int(s) for s in args.fleet_sizes.split(",")]
     router = router_options(args.router)
-    known = stored_baselines(args.baselines, args.seed, args.limit) if args.baselines else {}
+    known = (
+        stored_baselines(args.baselines, args.seed, args.limit, args.trace_arrivals)
+        if args.baselines
+        else {}
+    )
     for name in names:
         w = WORKLOADS[name]
         for rate in w.rates:
-            shapes = shapes_for(w, rate, args.limit, args.seed)
+            shapes = shapes_for(
+                w, rate, args.limit, args.seed, spread=args.trace_arrivals == "spread"
+            )
             for workers, capacity in itertools.product(sizes, w.capacities):
                 t0 = time.perf_counter()
                 cell = run_cell(
@@ -269,6 +286,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         "target_met": all(c["passes"] for c in cells),
         "seed": args.seed,
         "limit": args.limit,
+        "trace_arrivals": args.trace_arrivals,
         "router": dict(router),
         "command": "python -m loadtest.sweep " + " ".join(args.argv),
     }
@@ -339,6 +357,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=1,
         help="also run kvroute as this many gateway replicas and compare with one (default 1: no)",
+    )
+    p.add_argument(
+        "--trace-arrivals",
+        choices=("recorded", "spread"),
+        default="recorded",
+        help="the Mooncake workloads' arrivals: as recorded (about ten requests at each "
+        "3 s instant) or spread evenly over each instant's 3 s",
     )
     p.add_argument("--json", type=Path, help="write the full result here")
     p.add_argument("--markdown", type=Path, help="write the table here")

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from contract.hashing import HashSpec, block_hashes
-from loadtest.mooncake_trace import TraceChains, TraceRecord, TraceTokens, load_trace
+from loadtest.mooncake_trace import (
+    TraceChains,
+    TraceRecord,
+    TraceTokens,
+    load_trace,
+    spread_arrivals,
+)
 
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake_head500.jsonl"
 
@@ -61,3 +68,26 @@ def test_load_trace_limit_and_time_scale() -> None:
     assert all(len(r.hash_ids) == -(-r.input_length // 512) for r in recs)
     with pytest.raises(ValueError, match="--time-scale"):
         load_trace(TRACE, time_scale=0)
+
+
+def test_spread_arrivals_spreads_each_instant_over_the_gap_to_the_next() -> None:
+    def rec(t: float, n: int) -> TraceRecord:
+        return TraceRecord(arrival_s=t, input_length=n, output_length=1, hash_ids=(n,))
+
+    records = [rec(0.0, 1), rec(0.0, 2), rec(0.0, 3), rec(3.0, 4), rec(6.0, 5), rec(6.0, 6)]
+    spread = spread_arrivals(records)
+    assert [r.input_length for r in spread] == [1, 2, 3, 4, 5, 6]  # order kept
+    assert [r.arrival_s for r in spread] == pytest.approx([0.0, 1.0, 2.0, 3.0, 6.0, 7.5])
+    assert spread_arrivals([]) == []
+    assert spread_arrivals(records[3:4]) == records[3:4]  # one instant, no gap to spread over
+
+
+def test_spread_arrivals_on_the_shipped_trace_keeps_the_order_and_the_span() -> None:
+    recorded = load_trace(TRACE, limit=500)
+    spread = spread_arrivals(recorded)
+    assert len({r.arrival_s for r in recorded}) < len(recorded) / 5  # about ten a 3 s instant
+    assert len({r.arrival_s for r in spread}) == len(spread)
+    assert [r.hash_ids for r in spread] == [r.hash_ids for r in recorded]
+    assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(spread))
+    assert spread[0].arrival_s == recorded[0].arrival_s
+    assert all(abs(s.arrival_s - r.arrival_s) < 3.01 for s, r in zip(spread, recorded, strict=True))
