@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtest.mooncake_trace import spread_times
+
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,8 +77,11 @@ def rescale_trace(
     limit: int,
     time_scale: float = 1.0,
     speedup: float = 1.0,
+    spread: bool = False,
 ) -> dict[str, Any]:
-    """Writes the first ``limit`` records of ``src`` with ``block_tokens``-token blocks."""
+    """Writes the first ``limit`` records of ``src`` with ``block_tokens``-token blocks;
+    ``spread``: the requests that share a timestamp spread over the gap to the next
+    (``loadtest.mooncake_trace.spread_times``)."""
     factor = block_tokens / MOONCAKE_BLOCK
     rows = []
     with open(src, encoding="utf-8") as fh:
@@ -86,14 +91,16 @@ def rescale_trace(
             if line.strip():
                 rows.append(json.loads(line))
     t0 = rows[0]["timestamp"] if rows else 0
+    times = [float(r["timestamp"]) for r in rows]
+    times = spread_times(times) if spread else times
     with open(dst, "w", encoding="utf-8") as out:
-        for r in rows:
+        for r, t in zip(rows, times, strict=True):
             n_blocks = len(r["hash_ids"])
             length = max(1, math.ceil(r["input_length"] * factor))
             # Keep the last block partial, as in the trace: length within the hash ids' blocks.
             length = min(max(length, (n_blocks - 1) * block_tokens + 1), n_blocks * block_tokens)
             rec = {
-                "timestamp": int((r["timestamp"] - t0) * time_scale / speedup),
+                "timestamp": int((t - t0) * time_scale / speedup),
                 "input_length": length,
                 "output_length": max(1, math.ceil(r["output_length"] * factor)),
                 "hash_ids": r["hash_ids"],

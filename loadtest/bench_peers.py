@@ -332,6 +332,13 @@ def add_matrix_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-limit", type=int, default=d.trace_limit)
     g.add_argument("--trace-block-tokens", type=int, default=d.trace_block_tokens)
     g.add_argument("--trace-speedup", type=float, default=d.trace_speedup)
+    g.add_argument(
+        "--trace-arrivals",
+        choices=("recorded", "spread"),
+        default=d.trace_arrivals,
+        help="the Mooncake replay's arrivals: as recorded (about ten requests at each 3 s "
+        "instant) or spread evenly over each instant's 3 s",
+    )
     g.add_argument("--plot-dir", default="", help="write one PNG per workload here")
     g.add_argument(
         "--rounds",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -66,33 +67,37 @@ def load_trace(
     return out
 
 
-def spread_arrivals(records: Sequence[TraceRecord]) -> list[TraceRecord]:
-    """``records`` with the requests that share one timestamp spread evenly over the
-    gap to the next timestamp, in file order.
+def spread_times(times: Sequence[float]) -> list[float]:
+    """Arrival times (sorted) with the ones that share an instant spread evenly over the
+    gap to the next instant, in order; the last instant takes the median gap.
 
     The Mooncake conversation trace's timestamps are quantised: its 12,031
     requests fall on 1,180 instants 3 s apart, about ten at each. Replayed as
     recorded, every instant is a burst of simultaneous requests, which a single
     gateway routes one by one, each seeing the last, while gateway replicas
     route their shares at once, none seeing the others'. Spread, the same
-    requests arrive in the same order at the same mean rate. The last instant
-    takes the median gap.
+    requests arrive in the same order at the same mean rate.
     """
-    if not records:
+    if not times:
         return []
-    times = sorted({r.arrival_s for r in records})
-    gaps = [b - a for a, b in itertools.pairwise(times)]
+    instants = sorted(set(times))
+    gaps = [b - a for a, b in itertools.pairwise(instants)]
     last_gap = statistics.median(gaps) if gaps else 0.0
-    next_time = dict(zip(times, [*times[1:], times[-1] + last_gap], strict=True))
-    groups: dict[float, list[int]] = {}
-    for i, r in enumerate(records):
-        groups.setdefault(r.arrival_s, []).append(i)
-    out = list(records)
-    for t, members in groups.items():
-        width = next_time[t] - t
-        for k, i in enumerate(members):
-            out[i] = replace(records[i], arrival_s=t + width * k / len(members))
+    next_instant = dict(zip(instants, [*instants[1:], instants[-1] + last_gap], strict=True))
+    at_instant = Counter(times)
+    seen: Counter[float] = Counter()
+    out = []
+    for t in times:
+        width = next_instant[t] - t
+        out.append(t + width * seen[t] / at_instant[t])
+        seen[t] += 1
     return out
+
+
+def spread_arrivals(records: Sequence[TraceRecord]) -> list[TraceRecord]:
+    """``records`` with their arrivals spread as ``spread_times`` does."""
+    times = spread_times([r.arrival_s for r in records])
+    return [replace(r, arrival_s=t) for r, t in zip(records, times, strict=True)]
 
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)

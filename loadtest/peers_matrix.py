@@ -86,6 +86,7 @@ class MatrixConfig:
     trace_limit: int = 500
     trace_block_tokens: int = 32
     trace_speedup: float = 8.0
+    trace_arrivals: str = "recorded"  # or "spread" (``rescale_trace``'s ``spread``)
     chat_users: int = 24
     chat_turns: int = 3
     chat_arrival_rate: float = 2.0
@@ -102,6 +103,8 @@ class MatrixConfig:
             raise ValueError(f"--workloads {','.join(self.workloads)!r}: choose from {WORKLOADS}")
         if self.rounds < 1:
             raise ValueError(f"--rounds {self.rounds}: at least 1")
+        if self.trace_arrivals not in ("recorded", "spread"):
+            raise ValueError(f"--trace-arrivals {self.trace_arrivals!r}: recorded or spread")
 
 
 def reset_caches(worker_urls: Sequence[str]) -> None:
@@ -260,6 +263,7 @@ def run_workload(
             limit=mcfg.trace_limit,
             time_scale=scale,
             speedup=mcfg.trace_speedup,
+            spread=mcfg.trace_arrivals == "spread",
         )
         artifacts = work / f"aiperf-{len(list(work.glob('aiperf-*')))}"
         cmd = aiperf_client.aiperf_command(
@@ -460,5 +464,6 @@ def matrix_config(args: Any) -> MatrixConfig:
         trace_limit=args.trace_limit,
         trace_block_tokens=args.trace_block_tokens,
         trace_speedup=args.trace_speedup,
+        trace_arrivals=args.trace_arrivals,
         rounds=args.rounds,
     )

@@ -30,6 +30,22 @@ def test_rescale_trace_keeps_hash_ids_and_scales_lengths(tmp_path: Path) -> None
     assert out[1] == {"timestamp": 3000, "input_length": 38, "output_length": 1, "hash_ids": [0, 5]}
 
 
+def test_rescale_trace_spreads_the_requests_of_one_instant(tmp_path: Path) -> None:
+    src = tmp_path / "t.jsonl"
+    rows = [
+        {"timestamp": t, "input_length": 40, "output_length": 8, "hash_ids": [i]}
+        for i, t in enumerate([0, 0, 0, 0, 3000, 6000, 6000])
+    ]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dst = tmp_path / "out.jsonl"
+    rescale_trace(src, dst, block_tokens=32, limit=7, speedup=2.0, spread=True)
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["hash_ids"] for r in out] == [[i] for i in range(7)]
+    assert [r["timestamp"] for r in out] == [0, 375, 750, 1125, 1500, 3000, 3750]
+    with pytest.raises(ValueError, match="--trace-arrivals"):
+        MatrixConfig(trace_arrivals="jittered")
+
+
 def test_hub_cache_links_the_tokenizer_but_not_the_weights(tmp_path: Path) -> None:
     model = tmp_path / "Tiny-1"
     model.mkdir()
