@@ -50,6 +50,7 @@ from loadtest.bench_fleet import (
 from loadtest.client import RequestResult
 from loadtest.fleet import Fleet, free_port, sigterm_as_ctrl_c
 from loadtest.fleet_summary import jsonable
+from loadtest.mooncake_trace import TRACE_ARRIVALS
 
 logger = logging.getLogger(__name__)
 
@@ -334,7 +335,7 @@ def add_matrix_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-speedup", type=float, default=d.trace_speedup)
     g.add_argument(
         "--trace-arrivals",
-        choices=("recorded", "spread"),
+        choices=TRACE_ARRIVALS,
         default=d.trace_arrivals,
         help="the Mooncake replay's arrivals: as recorded (about ten requests at each 3 s "
         "instant) or spread evenly over each instant's 3 s",

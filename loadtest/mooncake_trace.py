@@ -67,6 +67,10 @@ def load_trace(
     return out
 
 
+# How a replay times the trace's requests: as recorded, or ``spread_times``.
+TRACE_ARRIVALS = ("recorded", "spread")
+
+
 def spread_times(times: Sequence[float]) -> list[float]:
     """Arrival times (sorted) with the ones that share an instant spread evenly over the
     gap to the next instant, in order; the last instant takes the median gap.

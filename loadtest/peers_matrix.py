@@ -60,6 +60,7 @@ from loadtest.fleet_probe import (
     worker_ttft_totals,
 )
 from loadtest.fleet_summary import unscale
+from loadtest.mooncake_trace import TRACE_ARRIVALS
 from loadtest.peers_report import verdict
 from loadtest.workloads import (
     ChatConfig,
@@ -103,8 +104,8 @@ class MatrixConfig:
             raise ValueError(f"--workloads {','.join(self.workloads)!r}: choose from {WORKLOADS}")
         if self.rounds < 1:
             raise ValueError(f"--rounds {self.rounds}: at least 1")
-        if self.trace_arrivals not in ("recorded", "spread"):
-            raise ValueError(f"--trace-arrivals {self.trace_arrivals!r}: recorded or spread")
+        if self.trace_arrivals not in TRACE_ARRIVALS:
+            raise ValueError(f"--trace-arrivals {self.trace_arrivals!r}: one of {TRACE_ARRIVALS}")
 
 
 def reset_caches(worker_urls: Sequence[str]) -> None:

@@ -48,7 +48,13 @@ from typing import Any
 from contract.hashing import HashSpec
 from loadtest.aiperf_client import rescale_trace
 from loadtest.fleetsim import SIM_POLICIES, SimConfig
-from loadtest.mooncake_trace import TraceChains, TraceTokens, load_trace, spread_arrivals
+from loadtest.mooncake_trace import (
+    TRACE_ARRIVALS,
+    TraceChains,
+    TraceTokens,
+    load_trace,
+    spread_arrivals,
+)
 from loadtest.simulate import router_options, run_policy
 from loadtest.workloads import (
     Conversation,
@@ -360,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--trace-arrivals",
-        choices=("recorded", "spread"),
+        choices=TRACE_ARRIVALS,
         default="recorded",
         help="the Mooncake workloads' arrivals: as recorded (about ten requests at each "
         "3 s instant) or spread evenly over each instant's 3 s",
