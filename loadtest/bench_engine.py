@@ -162,6 +162,8 @@ async def run_engine_part(cfg: BenchConfig) -> tuple[dict, dict, dict]:
         block_size=cfg.block_size,
         num_blocks=num_blocks,
     )
+    # As a worker starts: kernels built, pages touched, the faster prefill attention kept.
+    await torch_thread.run(runner.warm_up, cfg.max_batch_tokens)
     engine = Engine(
         runner,
         EngineConfig(max_num_seqs=max(cfg.concurrency, 8), max_batch_tokens=cfg.max_batch_tokens),

@@ -145,6 +145,7 @@ def build_plan(
     dtype: torch.dtype,
     *,
     tail: bool = True,
+    blocked_attention: bool = True,
 ) -> StepPlan:
     """Flattens chunks into one token batch and precomputes slots, masks and groups.
 
@@ -152,7 +153,8 @@ def build_plan(
     builds that float mask itself in every layer (about 10 % of a decode
     layer's attention call at batch 8); the result is bit for bit the same.
     ``tail`` False keeps the last layer on every row (a cache that does not
-    hold the compute dtype's exact K/V, as fp8 does not).
+    hold the compute dtype's exact K/V, as fp8 does not). ``blocked_attention``
+    False keeps long prefill chunks in SDPA (a CPU where it is the faster).
     """
     input_ids: list[int] = []
     positions: list[int] = []
@@ -181,7 +183,7 @@ def build_plan(
             decode_lens.append(start + 1)
         else:
             ctx = start + n
-            blocked = use_blocked(device, dtype, ctx)
+            blocked = use_blocked(device, dtype, ctx, blocked_attention)
             block_ids = None
             mask = None
             if start > 0:
