@@ -381,16 +381,19 @@ def test_a_dtype_this_cpu_cannot_pack_is_warned_about(
     assert warned and "--dtype bfloat16" in warned[0]
 
 
+@pytest.mark.parametrize("blocked", [True, False], ids=["query_blocks", "sdpa"])
 @pytest.mark.parametrize("name", MODELS)
-def test_long_prompt_takes_the_query_block_kernel_and_matches_hf(
-    request: pytest.FixtureRequest, hf_model: HFLoader, name: str
+def test_long_prompt_in_either_prefill_attention_matches_hf(
+    request: pytest.FixtureRequest, hf_model: HFLoader, name: str, blocked: bool
 ):
-    """Past ``MIN_CONTEXT`` keys a CPU prefill leaves SDPA: cold, and after a cached prefix."""
-    from worker.model.attention import build_plan
+    """Past ``MIN_CONTEXT`` keys a CPU prefill leaves SDPA for the query-block kernel,
+    or stays in SDPA where ``warm_up`` found it faster (``blocked_attention`` off): both
+    match HF, cold and after a cached prefix."""
     from worker.model.prefill_attention import MIN_CONTEXT
 
     path = model_dir(request, name)
     runner = make_runner(path, block_size=16, num_blocks=64)
+    runner.blocked_attention = blocked
     length = MIN_CONTEXT + 150
     ids = prompt(runner.vocab_size, length, seed=30)
     ref = hf_logits(hf_model(path), ids)
@@ -399,43 +402,23 @@ def test_long_prompt_takes_the_query_block_kernel_and_matches_hf(
     rest = SeqChunk(ids[cached:], cached, blocks(0, length, 16), True)
     if runner.device.type == "cpu":
         plans = [
-            build_plan([c], 16, runner.max_model_len, runner.device, runner.dtype)
+            build_plan(
+                [c],
+                16,
+                runner.max_model_len,
+                runner.device,
+                runner.dtype,
+                blocked_attention=blocked,
+            )
             for c in (first, rest)
         ]
-        assert [p.prefill[0].blocked for p in plans] == [True, True]
+        assert [p.prefill[0].blocked for p in plans] == [blocked, blocked]
     assert_close(runner.execute([first])[0], ref[cached - 1], atol=ATOL, rtol=RTOL)
     assert_close(runner.execute([rest])[0], ref[-1], atol=ATOL, rtol=RTOL)
     whole = make_runner(path, block_size=16, num_blocks=64)
+    whole.blocked_attention = blocked
     out = whole.execute([SeqChunk(ids, 0, blocks(0, length, 16), True)])
     assert_close(out[0], ref[-1], atol=ATOL, rtol=RTOL)
-
-
-@pytest.mark.parametrize("name", ["tiny_llama", "smollm2"])
-def test_long_prompt_in_sdpa_where_it_is_faster_matches_hf(
-    request: pytest.FixtureRequest, hf_model: HFLoader, name: str
-):
-    """With ``blocked_attention`` off (``warm_up`` found SDPA faster on this CPU) a long
-    prefill stays in SDPA, cold and after a cached prefix, and still matches HF."""
-    from worker.model.prefill_attention import MIN_CONTEXT
-
-    path = model_dir(request, name)
-    runner = make_runner(path, block_size=16, num_blocks=64)
-    runner.blocked_attention = False
-    length = MIN_CONTEXT + 150
-    ids = prompt(runner.vocab_size, length, seed=31)
-    ref = hf_logits(hf_model(path), ids)
-    cached = 640
-    first = SeqChunk(ids[:cached], 0, blocks(0, cached, 16), True)
-    rest = SeqChunk(ids[cached:], cached, blocks(0, length, 16), True)
-    plans = [
-        build_plan(
-            [c], 16, runner.max_model_len, runner.device, runner.dtype, blocked_attention=False
-        )
-        for c in (first, rest)
-    ]
-    assert [p.prefill[0].blocked for p in plans] == [False, False]
-    assert_close(runner.execute([first])[0], ref[cached - 1], atol=ATOL, rtol=RTOL)
-    assert_close(runner.execute([rest])[0], ref[-1], atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the choice is made on CPU only")
