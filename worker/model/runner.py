@@ -221,8 +221,8 @@ class ModelRunner:
         It first writes every page of the KV cache: ``torch.zeros`` on CPU maps lazily
         zeroed pages, and each block's first use would otherwise fault its 1.5 MB
         (SmolLM2, block 32) during a request. Its K/V lands in blocks the pool has not
-        handed out yet, and it hashes nothing, so no cached block changes. In float32 it
-        first picks the faster prefill attention for this CPU.
+        handed out yet, and it hashes nothing, so no cached block changes. It first
+        picks the faster prefill attention for this CPU and dtype.
         """
         for layer in self.kv:
             for tensor in (layer.k, layer.v, layer.k_scale, layer.v_scale):
@@ -240,12 +240,14 @@ class ModelRunner:
         """Times the query-block kernel against SDPA on one layer's cold prefill of
         ``num_tokens`` (at least ``MIN_CONTEXT``, at most 2,048) and keeps the faster.
 
-        Only in float32: in bf16 the kernel rounds as Hugging Face's eager attention
-        does, which SDPA does not, so bf16 keeps it. The faster differs by CPU: on an
-        AMD Zen 5 the kernel ran a 2,048-token layer 1.5x faster than SDPA, on an Intel
-        Xeon with AMX 2.2x slower (module docstring of ``worker.model.prefill_attention``).
+        The faster differs by CPU and dtype: on an AMD Zen 5 the kernel ran a 2,048-token
+        layer 1.5x faster than SDPA; on an Intel Xeon with AMX it was 1.6x slower in
+        float32 and 3.6x slower in bf16, where SDPA runs on AMX (module docstring of
+        ``worker.model.prefill_attention``). In bf16 the kernel rounds as Hugging Face's
+        eager attention does and SDPA does not; greedy bf16 text is not token-identical
+        to HF's on every CPU either way, so bf16 takes the faster too.
         """
-        if not use_blocked(self.device, self.dtype, MIN_CONTEXT) or self.dtype != torch.float32:
+        if not use_blocked(self.device, self.dtype, MIN_CONTEXT):
             return
         spec, tokens = self.spec, min(max(num_tokens, MIN_CONTEXT), 2048)
         faster, blocked_s, sdpa_s = blocked_is_faster(
