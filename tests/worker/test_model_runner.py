@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -485,3 +486,31 @@ def test_last_layer_queries_only_the_logits_rows(
     # As close as each is to HF: oneDNN sums a 1-row product and a 40-row one in different
     # orders (2.1e-5 apart on SmolLM2 on an Intel Xeon with AMX).
     assert_close(out, every, atol=ATOL, rtol=RTOL)
+
+
+def test_the_prefill_attention_timing_takes_the_two_kernels_in_turns(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A moment of contention during the timing slows both kernels alike: they are timed
+    in turns, each once untimed first, and each keeps its best time."""
+    import worker.model.prefill_attention as pa
+
+    calls: list[str] = []
+    slow = {"blocked": [0.0, 0.0, 0.05, 0.0], "sdpa": [0.0, 0.0, 0.05, 0.0]}
+
+    def kernel(name: str, result: torch.Tensor):
+        def run(*args: object, **kwargs: object) -> torch.Tensor:
+            calls.append(name)
+            # A busy moment (the third call of each) must not decide the choice.
+            time.sleep(slow[name][len([c for c in calls if c == name]) - 1])
+            time.sleep(0.002 if name == "blocked" else 0.004)
+            return result
+
+        return run
+
+    out = torch.zeros(1)
+    monkeypatch.setattr(pa, "causal_attention", kernel("blocked", out))
+    monkeypatch.setattr(pa.F, "scaled_dot_product_attention", kernel("sdpa", out))
+    faster, blocked_s, sdpa_s = pa.blocked_is_faster(4, 2, 16, torch.float32, 64, repeats=3)
+    assert calls == ["blocked", "sdpa"] + ["blocked", "sdpa"] * 3
+    assert faster and 0.002 <= blocked_s < 0.004 <= sdpa_s < 0.05
