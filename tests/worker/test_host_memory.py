@@ -43,17 +43,50 @@ HEAP_ACCOUNT = textwrap.dedent(
 )
 MB64 = 64 << 20
 
+# How many arenas hold the heap after a thread allocated and freed a 64 MB tensor,
+# read from glibc's own report (malloc_info's XML, one <heap> per arena).
+ARENAS_AFTER_A_THREAD = textwrap.dedent(
+    """
+    import ctypes, ctypes.util, os, sys, tempfile, threading
+    import torch
+    from worker.model.host_memory import keep_freed_heap, one_malloc_arena
 
-def _heap_account(mode: str) -> tuple[int, int]:
-    """(bytes in mmap'd blocks while the tensor lives, free heap bytes after it is freed)."""
-    out = subprocess.run(
-        [sys.executable, "-c", HEAP_ACCOUNT, mode],
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if sys.argv[1] == "one":
+        assert one_malloc_arena()
+    assert keep_freed_heap()
+    thread = threading.Thread(target=lambda: torch.ones(16 << 20))
+    thread.start()
+    thread.join()
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = (ctypes.c_char_p, ctypes.c_char_p)
+    libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    libc.fclose.argtypes = (ctypes.c_void_p,)
+    fd, path = tempfile.mkstemp()
+    os.close(fd)
+    report = libc.fopen(path.encode(), b"w")
+    libc.malloc_info(0, report)
+    libc.fclose(report)
+    with open(path) as f:
+        print(f.read().count("<heap nr="))
+    os.unlink(path)
+    """
+)
+
+
+def _child(script: str, mode: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-c", script, mode],
         capture_output=True,
         text=True,
         check=True,
         cwd=Path(__file__).resolve().parents[2],
-    )
-    mapped, free = out.stdout.split()
+    ).stdout
+
+
+def _heap_account(mode: str) -> tuple[int, int]:
+    """(bytes in mmap'd blocks while the tensor lives, free heap bytes after it is freed)."""
+    mapped, free = _child(HEAP_ACCOUNT, mode).split()
     return int(mapped), int(free)
 
 
@@ -62,6 +95,12 @@ def test_freed_activations_stay_in_the_heap() -> None:
     assert mapped >= MB64 and free < MB64, (mapped, free)  # glibc maps it, and unmaps it
     mapped, free = _heap_account("keep")
     assert mapped < MB64 and free >= MB64, (mapped, free)  # from the heap, and kept there
+
+
+def test_threads_allocate_from_one_arena() -> None:
+    """The engine's thread gets no arena of its own, whose heaps glibc would unmap."""
+    assert int(_child(ARENAS_AFTER_A_THREAD, "default")) >= 2
+    assert int(_child(ARENAS_AFTER_A_THREAD, "one")) == 1
 
 
 def test_warm_up_leaves_every_later_request_unchanged(tiny_llama: Path) -> None:

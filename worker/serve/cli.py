@@ -300,6 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # An emulated worker needs only its tokenizer: keep transformers from
         # importing torch (~250 MB a process), so dozens of workers fit one host.
         sys.modules["torch"] = None  # type: ignore[assignment]
+    elif config.device == "cpu":
+        from worker.model.host_memory import one_malloc_arena
+
+        one_malloc_arena()  # before the engine's thread exists (worker.model.host_memory)
     try:
         _run(serve(config))
     except (OSError, ValueError, FileNotFoundError) as exc:
