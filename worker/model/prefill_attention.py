@@ -135,9 +135,9 @@ def blocked_is_faster(
 
     The two are timed in turns, not one after the other: a worker's start-up can
     share the cores with something else for a moment (three of five workers started
-    on a Zen 4 EPYC timed the query blocks at 79-80 ms a layer, then SDPA at 39, where
-    both take 37-40 in turn), and that moment then slows both alike instead of
-    deciding which one is kept."""
+    on a Zen 4 EPYC timed the query blocks at 79-80 ms a layer, then SDPA at 39; timed
+    in turns, four took 39-49 against 39-41), and that moment then slows both alike
+    instead of deciding which one is kept."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(tokens, heads, head_dim, generator=generator).to(dtype)
     k = torch.randn(tokens, kv_heads, head_dim, generator=generator).to(dtype)
