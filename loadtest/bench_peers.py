@@ -72,9 +72,12 @@ class PeersConfig:
     peers_venv: str = ".venv-peers"
     wheel_dir: str = ""  # "" = install the peers from PyPI
     router_startup_s: float = 60.0
+    # Which comparison the names are for: each knows its own (``round_robin`` given to
+    # the emulated one ran kvroute's own policy under that name).
+    emulated: bool = False
 
     def __post_init__(self) -> None:
-        known = (*ROUTERS, *EMULATED_ROUTERS, *EXTRA_ROUTERS)
+        known = (*EMULATED_ROUTERS, *EXTRA_ROUTERS) if self.emulated else ROUTERS
         unknown = [r for r in self.routers if r not in known]
         if unknown or not self.routers:
             raise ValueError(f"--routers {','.join(self.routers)!r}: choose from {known}")
@@ -362,6 +365,7 @@ def main_emulated(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             routers=tuple(r.strip() for r in routers.split(",") if r.strip()),
             peers_venv=args.peers_venv,
             wheel_dir=args.wheel_dir,
+            emulated=True,
         )
         mcfg = peers_matrix.matrix_config(args)
     except ValueError as exc:

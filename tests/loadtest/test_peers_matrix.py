@@ -138,3 +138,22 @@ def test_bursty_mixes_chat_and_groups_into_the_start_of_each_window() -> None:
     by_id = {c.conv_id: c for c in [*chat, *groups]}
     for c in mixed:
         assert c.turns == by_id[c.conv_id].turns and c.start_s <= by_id[c.conv_id].start_s
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        # The real fleet's kvroute round robin is ``round_robin``: in the emulated matrix
+        # it once ran kvroute's own policy under that name.
+        (["--engine", "emulated", "--routers", "kvroute,round_robin"], "kvroute_round_robin"),
+        (["--routers", "kvroute,kvroute_round_robin"], "round_robin"),
+    ],
+)
+def test_bench_peers_refuses_the_other_comparisons_router_names(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loadtest import bench_peers
+
+    assert bench_peers.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--routers" in err and named in err
