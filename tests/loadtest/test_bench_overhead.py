@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench_overhead import ROOT, ROUTERS, _router_cmd, _sendable, main, make_bodies
+from loadtest.bench_overhead import (
+    ROOT,
+    ROUTERS,
+    _router_cmd,
+    _sendable,
+    main,
+    make_bodies,
+    summarize,
+)
 from loadtest.instant_workers import http_namespace
 
 
@@ -59,3 +67,46 @@ def test_workloads_and_concurrency_are_checked_and_json_256_is_one_whole_answer(
     sent = json.loads(body)
     assert (sent["max_tokens"], sent.get("stream", False)) == (256, False)
     assert "stop" not in sent and "tools" not in sent  # an answer the gateway reads whole
+
+
+def _rows(cpu: float, rps: float, p50_c1: float) -> list[dict[str, float]]:
+    row = {"cpu_ms_per_request": cpu, "max_rps": rps, "p50_ms": 5.0, "p99_ms": 9.0}
+    return [{**row, "p50_ms_c1": p50_c1, "cores_used": 1.0, "errors": 0}]
+
+
+def test_targets_of_workloads_left_out_are_null_and_target_met_needs_all_six() -> None:
+    direct = {"chat_small": 0.3, "stream_128": 0.3, "chat_6k_repeat": 0.4, "chat_6k_cold": 0.5}
+    good = {
+        "chat_small": _rows(0.4, 3000.0, 1.0),
+        "stream_128": _rows(1.0, 900.0, 0.8),
+        "chat_6k_repeat": _rows(0.9, 1000.0, 0.9),
+        "chat_6k_cold": _rows(4.0, 250.0, 1.0),
+    }
+    peer = {w: _rows(0.1, 6000.0, 0.5) for w in good}
+    routers = {"kvroute": None, "sglang_rr": None}
+
+    only_small = summarize(
+        {"kvroute": {"chat_small": good["chat_small"]}, "sglang_rr": peer},
+        routers,  # type: ignore[arg-type]
+        {},
+        direct,
+        ["chat_small"],
+    )
+    met = only_small["targets_met"]
+    assert met["chat_small_cpu_ms_per_request <= 0.5"] is True
+    assert met["chat_small_rps_vs_sglang_rr >= 0.25"] is True
+    assert met["chat_small_added_p50_ms_c1 <= 0.5"] is False  # 1.0 - 0.3 ms
+    assert met["chat_6k_repeat_cpu_ms_per_request <= 1.0"] is None
+    assert met["cpu_ms_per_streamed_token <= 0.02"] is None
+    assert only_small["target_met"] is False
+
+    fast_c1 = {**good, "chat_small": _rows(0.4, 3000.0, 0.7)}  # 0.4 ms added
+    full = summarize(
+        {"kvroute": fast_c1, "sglang_rr": peer},
+        routers,
+        {},
+        direct,
+        list(good),  # type: ignore[arg-type]
+    )
+    assert all(v is True for v in full["targets_met"].values()), full["targets_met"]
+    assert full["target_met"] is True
